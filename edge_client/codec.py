@@ -1,0 +1,71 @@
+"""Device-side conversions between the round loop's objects and sled.v1 messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sled.v1 import verify_pb2 as pb
+
+from .drafters.base import Proposal
+from .sampling import SamplingParams
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class Opened:
+    session_id: str
+    max_draft_tokens: int
+    vocab_size: int
+    context_limit: int
+    target_name: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    round: int
+    n_accepted: int
+    next_token: int | None
+    finished: bool
+    finish_reason: str | None
+
+
+def open_message(context: list[int], sampling: SamplingParams, max_tokens: int, fingerprint: str,
+                 stop_token_ids: list[int] = (), client_id: str = "", auth_token: str = "") -> pb.ClientMessage:
+    sp = pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    if sampling.seed is not None:
+        sp.seed = sampling.seed
+    return pb.ClientMessage(open=pb.Open(
+        tokenizer_fingerprint=fingerprint, context_token_ids=context, sampling=sp, max_tokens=max_tokens,
+        stop_token_ids=list(stop_token_ids), client_id=client_id, auth_token=auth_token or ""))
+
+
+def draft_message(session_id: str, round_: int, proposal: Proposal) -> pb.ClientMessage:
+    draft = pb.Draft(session_id=session_id, round=round_, token_ids=proposal.token_ids)
+    if proposal.q_ids is not None and proposal.token_ids:
+        counts = [len(ids) for ids in proposal.q_ids]
+        draft.draft_probs.offsets.extend(np.concatenate([[0], np.cumsum(counts)]).tolist())
+        draft.draft_probs.token_ids.extend(np.concatenate(proposal.q_ids).tolist())
+        draft.draft_probs.probs.extend(np.concatenate(proposal.q_probs).tolist())
+    return pb.ClientMessage(draft=draft)
+
+
+def close_message() -> pb.ClientMessage:
+    return pb.ClientMessage(close=pb.Close())
+
+
+def opened_from(msg: pb.ServerMessage) -> Opened:
+    if msg.WhichOneof("kind") != "opened":
+        raise ValueError(f"expected Opened from the server, got {msg.WhichOneof('kind')}")
+    o = msg.opened
+    return Opened(o.session_id, o.max_draft_tokens, o.vocab_size, o.context_limit, o.target_name)
+
+
+def verdict_from(msg: pb.ServerMessage) -> Verdict:
+    if msg.WhichOneof("kind") != "verdict":
+        raise ValueError(f"expected Verdict from the server, got {msg.WhichOneof('kind')}")
+    v = msg.verdict
+    return Verdict(v.round, v.n_accepted, v.next_token if v.HasField("next_token") else None, v.finished,
+                   FINISH_REASONS.get(v.finish_reason))

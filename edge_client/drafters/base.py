@@ -1,0 +1,66 @@
+"""The drafter interface: begin, propose, accept (which rolls back), close."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    model_path: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
+    threads: int | None = None
+    gpu_layers: int = 0
+    context_size: int = 4096
+    top_k_cap: int = 16  # the sparse q carries at most this many tokens per position
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    # Sparse q per token, or None when each token was chosen deterministically (q = 1 on it).
+    q_ids: list[np.ndarray] | None = None  # each [K_i] int64
+    q_probs: list[np.ndarray] | None = None  # each [K_i] float32
+    extras: dict = field(default_factory=dict)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, context: list[int], sampling: SamplingParams) -> None:
+        """Start a session with its whole context (prompt plus anything already committed)."""
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        """Up to k tokens that continue `context` (the committed tokens)."""
+
+    def accept(self, context: list[int]) -> None:
+        """The verdict is in and `context` is committed: drop any state past what agrees with it."""
+
+    def close(self) -> None: ...
+
+
+class NoDrafter:
+    """Proposes nothing: the server decodes every token (the server-only baseline)."""
+
+    name = "none"
+
+    def __init__(self, options: DrafterOptions):
+        pass
+
+    def begin(self, context: list[int], sampling: SamplingParams) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        return Proposal([])
+
+    def accept(self, context: list[int]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

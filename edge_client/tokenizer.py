@@ -1,0 +1,79 @@
+"""The device's tokenizer: llama.cpp's, read from a GGUF without loading the weights."""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+from pathlib import Path
+
+import jinja2
+import llama_cpp
+
+from .models import resolve_model_path
+
+
+def vocab_fingerprint(tokens: list[str]) -> str:
+    """sha256 over the vocabulary: each token's UTF-8 text, length-prefixed, in id order (same rule as the server)."""
+    h = hashlib.sha256(b"sled-vocab-v1")
+    h.update(len(tokens).to_bytes(4, "little"))
+    for text in tokens:
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(4, "little"))
+        h.update(data)
+    return "sha256:" + h.hexdigest()
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | Path | None = None):
+        self.path = resolve_model_path(model_path)
+        self._llm = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
+        self.vocab_size = self._llm.n_vocab()
+        self.eos_token_id = self._llm.token_eos()
+        self.bos_token_id = self._llm.token_bos()
+        self._fingerprint: str | None = None
+
+    @property
+    def vocab_tokens(self) -> list[str]:
+        model = self._llm._model
+        return [model.token_get_text(i) for i in range(self.vocab_size)]
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = vocab_fingerprint(self.vocab_tokens)
+        return self._fingerprint
+
+    def encode(self, text: str) -> list[int]:
+        # add_bos defers to the GGUF's add_bos_token; special tokens in the text are parsed.
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._llm.detokenize([token_id], special=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._llm.detokenize(token_ids, special=False).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        template = self._llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise ValueError(f"{self.path.name} carries no chat template")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token="", eos_token="")
+
+
+class StreamDecoder:
+    """Turns committed token ids into text as they arrive, holding back split UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: list[int]) -> str:
+        return self._utf8.decode(b"".join(self._tok.token_bytes(t) for t in token_ids))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,90 @@
+"""gRPC transport to the verify server: one channel, one bidirectional stream per session."""
+
+from __future__ import annotations
+
+import grpc
+
+from sled.v1 import verify_pb2 as pb
+from sled.v1 import verify_pb2_grpc as pb_grpc
+
+from . import codec
+from .drafters.base import Proposal
+
+
+class VerifyError(Exception):
+    """The server refused or the link failed; `code` is the gRPC status code name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, err: grpc.aio.AioRpcError) -> "VerifyError":
+        return cls(err.code().name, err.details() or "")
+
+
+class VerifierClient:
+    def __init__(self, address: str, auth_token: str | None = None):
+        self.address = address
+        self.auth_token = auth_token
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+            ("grpc.keepalive_time_ms", 30_000),
+        ])
+        self.stub = pb_grpc.VerifierStub(self.channel)
+
+    async def info(self, timeout: float = 10.0) -> pb.ServerInfo:
+        try:
+            return await self.stub.GetInfo(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as err:
+            raise VerifyError.from_rpc(err) from None
+
+    async def open(self, open_msg: pb.ClientMessage, timeout: float = 60.0) -> "RemoteSession":
+        session = RemoteSession(self.stub.Session(wait_for_ready=True))
+        await session.open(open_msg, timeout)
+        return session
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class RemoteSession:
+    def __init__(self, call):
+        self.call = call
+        self.opened: codec.Opened | None = None
+
+    async def _exchange(self, msg: pb.ClientMessage) -> pb.ServerMessage:
+        try:
+            await self.call.write(msg)
+            reply = await self.call.read()
+        except grpc.aio.AioRpcError as err:
+            raise VerifyError.from_rpc(err) from None
+        if reply is grpc.aio.EOF:
+            code = await self.call.code()
+            details = await self.call.details()
+            raise VerifyError(code.name if code else "UNKNOWN", details or "the server ended the stream")
+        return reply
+
+    async def open(self, open_msg: pb.ClientMessage, timeout: float) -> codec.Opened:
+        import asyncio
+
+        try:
+            self.opened = codec.opened_from(await asyncio.wait_for(self._exchange(open_msg), timeout))
+        except asyncio.TimeoutError:
+            self.call.cancel()
+            raise VerifyError("DEADLINE_EXCEEDED", f"no Opened from the server within {timeout:g}s") from None
+        return self.opened
+
+    async def verify(self, round_: int, proposal: Proposal) -> codec.Verdict:
+        return codec.verdict_from(await self._exchange(codec.draft_message(self.opened.session_id, round_, proposal)))
+
+    async def close(self) -> None:
+        try:
+            await self._exchange(codec.close_message())
+            await self.call.done_writing()
+        except VerifyError:
+            pass
+
+    def cancel(self) -> None:
+        self.call.cancel()

@@ -1,0 +1,68 @@
+"""Attention of a ragged batch of new tokens over each session's cached keys and values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Segment:
+    """New tokens [start, start + length) of the flat batch belong to cache slot `slot`;
+    after they are written, positions [0, context_len) of the slot are valid."""
+
+    slot: int
+    start: int
+    length: int
+    context_len: int
+
+
+def attention_reference(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    segments: list[Segment],
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Plain math, one segment at a time: softmax(q k^T * scale + causal mask) v, heads grouped."""
+    out = torch.empty_like(q)
+    num_heads, num_kv = q.shape[1], k_cache.shape[1]
+    for seg in segments:
+        qs = q[seg.start : seg.start + seg.length].transpose(0, 1).float()  # [heads, L, d]
+        ks = k_cache[seg.slot, :, : seg.context_len].float().repeat_interleave(num_heads // num_kv, 0)
+        vs = v_cache[seg.slot, :, : seg.context_len].float().repeat_interleave(num_heads // num_kv, 0)
+        scores = qs @ ks.transpose(1, 2) * scale  # [heads, L, ctx]
+        query_pos = torch.arange(seg.context_len - seg.length, seg.context_len, device=q.device)
+        key_pos = torch.arange(seg.context_len, device=q.device)
+        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[seg.start : seg.start + seg.length] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def attention_sdpa(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    segments: list[Segment],
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """torch's fused scaled_dot_product_attention on views of the cache (no copy of the cache)."""
+    out = torch.empty_like(q)
+    grouped = q.shape[1] != k_cache.shape[1]
+    for seg in segments:
+        qs = q[seg.start : seg.start + seg.length].transpose(0, 1)  # [heads, L, d]
+        ks = k_cache[seg.slot, :, : seg.context_len]  # [kv_heads, ctx, d], a view
+        vs = v_cache[seg.slot, :, : seg.context_len]
+        mask = None
+        if seg.length > 1:
+            # Query i sits at position context_len - length + i and sees keys up to it.
+            offset = seg.context_len - seg.length
+            mask = torch.ones(seg.length, seg.context_len, dtype=torch.bool, device=q.device).tril(offset)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=grouped)
+        out[seg.start : seg.start + seg.length] = o.transpose(0, 1)
+    return out
+
+
+ATTENTION = {"reference": attention_reference, "sdpa": attention_sdpa}

@@ -1,0 +1,1 @@
+"""SLED verify server: one shared target model checks the drafts of many devices in batches."""

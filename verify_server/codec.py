@@ -1,0 +1,108 @@
+"""Protobuf in, domain objects out (and back): the only server module that knows the wire types."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from sled.v1 import verify_pb2 as pb
+
+from .errors import invalid
+from .sessions import LENGTH, STOP, DraftRequest, OpenRequest, SamplingParams, Session, Verdict
+
+PROB_SUM_TOLERANCE = 1e-3
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    t, p = msg.temperature, msg.top_p
+    if not math.isfinite(t) or t < 0:
+        raise invalid(f"temperature must be a finite number >= 0, got {t}")
+    if not math.isfinite(p) or not 0 <= p <= 1:
+        raise invalid(f"top_p must be in [0, 1], got {p}")
+    return SamplingParams(temperature=t, top_k=msg.top_k, top_p=p if p > 0 else 1.0,
+                          seed=msg.seed if msg.HasField("seed") else None)
+
+
+def open_from_pb(msg: pb.Open, vocab_size: int) -> OpenRequest:
+    ids = tuple(msg.context_token_ids)
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise invalid(f"prompt token id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
+    stops = frozenset(msg.stop_token_ids)
+    bad = [t for t in stops if t >= vocab_size]
+    if bad:
+        raise invalid(f"stop token id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
+    return OpenRequest(context_token_ids=ids, sampling=sampling_from_pb(msg.sampling),
+                       max_tokens=msg.max_tokens, stop_token_ids=stops, client_id=msg.client_id[:128])
+
+
+def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top_k: int) -> DraftRequest:
+    tokens = tuple(msg.token_ids)
+    n = len(tokens)
+    if n > max_draft_tokens:
+        raise invalid(f"draft of {n} tokens is longer than the server's max_draft_tokens={max_draft_tokens}")
+    bad = [t for t in tokens if t >= vocab_size]
+    if bad:
+        raise invalid(f"draft token id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
+    if not msg.HasField("draft_probs") or n == 0:
+        return DraftRequest(msg.round, tokens, None, None)
+    sd = msg.draft_probs
+    offsets = np.asarray(sd.offsets, dtype=np.int64)
+    ids = np.asarray(sd.token_ids, dtype=np.int64)
+    probs = np.asarray(sd.probs, dtype=np.float32)
+    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(ids) or len(ids) != len(probs):
+        raise invalid(
+            f"draft_probs malformed: need {n + 1} offsets from 0 to len(token_ids) = len(probs); "
+            f"got {len(offsets)} offsets, {len(ids)} ids, {len(probs)} probs"
+        )
+    counts = np.diff(offsets)
+    if (counts < 1).any() or (counts > max_top_k).any():
+        raise invalid(f"each draft token needs 1 to {max_top_k} (max_draft_top_k) probabilities, got {counts.tolist()}")
+    if not np.isfinite(probs).all():
+        raise invalid("draft probabilities must be finite: got NaN or inf")
+    if (probs < 0).any() or (probs > 1 + PROB_SUM_TOLERANCE).any():
+        raise invalid("draft probabilities must lie in [0, 1]")
+    if (ids >= vocab_size).any():
+        raise invalid(f"draft distribution token id {int(ids.max())} out of range: vocabulary has {vocab_size} tokens")
+    sums = np.add.reduceat(probs, offsets[:-1]) if len(probs) else np.zeros(n)
+    if (np.abs(sums - 1.0) > PROB_SUM_TOLERANCE).any():
+        raise invalid(f"each draft distribution must sum to 1, got sums {np.round(sums, 4).tolist()}")
+    k = int(counts.max())
+    rows = np.repeat(np.arange(n), counts)
+    cols = np.arange(len(ids)) - np.repeat(offsets[:-1], counts)
+    q_ids = np.zeros((n, k), dtype=np.int64)
+    q_probs = np.zeros((n, k), dtype=np.float32)
+    q_ids[rows, cols] = ids
+    q_probs[rows, cols] = probs
+    return DraftRequest(msg.round, tokens, torch.from_numpy(q_ids), torch.from_numpy(q_probs))
+
+
+def opened_to_pb(session: Session, max_draft_tokens: int, vocab_size: int, context_limit: int,
+                 target_name: str) -> pb.ServerMessage:
+    return pb.ServerMessage(opened=pb.Opened(session_id=session.id, max_draft_tokens=max_draft_tokens,
+                                             vocab_size=vocab_size, context_limit=context_limit,
+                                             target_name=target_name))
+
+
+_REASONS = {STOP: pb.FINISH_REASON_STOP, LENGTH: pb.FINISH_REASON_LENGTH, None: pb.FINISH_REASON_UNSPECIFIED}
+
+
+def verdict_to_pb(v: Verdict) -> pb.ServerMessage:
+    msg = pb.Verdict(round=v.round, n_accepted=v.n_accepted, finished=v.finished,
+                     finish_reason=_REASONS[v.finish_reason])
+    if v.next_token is not None:
+        msg.next_token = v.next_token
+    return pb.ServerMessage(verdict=msg)
+
+
+def closed_to_pb(generated: int) -> pb.ServerMessage:
+    return pb.ServerMessage(closed=pb.Closed(generated_tokens=generated))
+
+
+def info_to_pb(target_name: str, fingerprint: str, vocab_size: int, context_limit: int, max_draft_tokens: int,
+               max_sessions: int, eos_ids, stats: dict) -> pb.ServerInfo:
+    return pb.ServerInfo(target_name=target_name, tokenizer_fingerprint=fingerprint, vocab_size=vocab_size,
+                         context_limit=context_limit, max_draft_tokens=max_draft_tokens, max_sessions=max_sessions,
+                         eos_token_ids=list(eos_ids), stats=pb.ServerStats(**stats))

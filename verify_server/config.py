@@ -1,0 +1,95 @@
+"""Server configuration: a frozen dataclass that checks itself, loaded from YAML in one function."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # GGUF file or Hugging Face model folder; None means the SmolLM2-135M-Instruct GGUF.
+    target: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    max_sessions: int = 32  # KV slots: sessions held at once
+    max_seq_len: int = 2048  # context tokens per session (prompt + generated)
+    max_batch_sessions: int = 16  # verification requests in one step
+    max_batch_tokens: int = 512  # tokens (draft + prefill) in one step
+    max_wait_ms: float = 5.0  # longest a request waits for others to join its step
+    max_draft_tokens: int = 16  # longest accepted draft
+    max_draft_top_k: int = 64  # largest sparse draft distribution per token
+    idle_timeout_s: float = 300.0  # a session without traffic this long is freed
+    auth_token: str | None = None  # when set, Open must carry it
+    metrics_port: int | None = None  # Prometheus exporter; None disables it
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+        for name in ("max_sessions", "max_seq_len", "max_batch_sessions", "max_batch_tokens",
+                     "max_draft_tokens", "max_draft_top_k", "idle_timeout_s"):
+            positive(name)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.max_batch_tokens < self.max_draft_tokens + 1:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must hold one full draft "
+                f"(max_draft_tokens + 1 = {self.max_draft_tokens + 1})"
+            )
+        if self.max_draft_tokens + 2 > self.max_seq_len:
+            raise ValueError("max_seq_len must exceed max_draft_tokens + 1")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:
+    """Read YAML (if given), apply non-None overrides, and check everything."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+        values.update(loaded.get("server", loaded) if isinstance(loaded.get("server"), dict) else loaded)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown server settings {unknown}; known: {sorted(FIELDS)}")
+    for name, value in list(values.items()):
+        wanted = FIELDS[name].type
+        if value is None:
+            continue
+        if "int" in wanted and "float" not in wanted and not isinstance(value, bool):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        elif "float" in wanted and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+        elif "float" in wanted:
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        elif "str" in wanted and not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        values[name] = value
+    return ServerConfig(**values)

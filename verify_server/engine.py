@@ -1,0 +1,361 @@
+"""The engine worker: it alone owns the model and the KV pool, and runs step() = plan, run, commit."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from kernels.attention import Segment
+from kernels.rejection_sampler import NonFiniteLogitsError, SamplingBatch, rejection_sample
+
+from .config import ServerConfig
+from .errors import SledError, invalid
+from .kv_cache import KVCache
+from .metrics import Metrics
+from .model_loader import Target
+from .model_runner import ModelInput, ModelRunner
+from .scheduler import Plan, PrefillWork, Scheduler, VerifyWork
+from .sessions import LENGTH, DraftRequest, OpenRequest, Session, Verdict, commit_tokens
+
+log = logging.getLogger(__name__)
+
+Reply = Callable[[object], None]  # receives a result or an exception
+
+
+class Engine:
+    def __init__(self, config: ServerConfig, target: Target, attention: str = "sdpa"):
+        self.config = config
+        self.target = target
+        mcfg = target.model.config
+        head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+        param = next(target.model.parameters())
+        self.kv = KVCache(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
+                          config.max_seq_len, head_dim, param.dtype, param.device)
+        self.runner = ModelRunner(target.model, self.kv, attention)
+        self.scheduler = Scheduler(config)
+        self.metrics = Metrics(max_positions=config.max_draft_tokens)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_ids = frozenset(target.eos_token_ids)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sessions: dict[str, Session] = {}
+        self._expired: OrderedDict[str, str] = OrderedDict()
+        self._pending: list[VerifyWork] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seeds = random.Random(config.seed)
+        self._default_gen = torch.Generator().manual_seed(self._seeds.getrandbits(63))
+        self._last_sweep = time.monotonic()
+
+    # ---- API for any thread: messages to the worker, answered through `reply` ----
+
+    def open(self, request: OpenRequest, reply: Reply) -> None:
+        self._inbox.put(("open", request, reply))
+
+    def verify(self, session_id: str, draft: DraftRequest, reply: Reply) -> None:
+        self._inbox.put(("verify", (session_id, draft), reply))
+
+    def close(self, session_id: str) -> None:
+        self._inbox.put(("close", session_id, None))
+
+    def stats(self) -> dict:
+        m = self.metrics
+        return {
+            "active_sessions": len(self._sessions),
+            "free_slots": self.kv.num_free,
+            "steps": m.steps,
+            "max_step_sessions": m.max_step_sessions,
+            "verifications": m.verifications,
+            "drafts": m.drafts,
+            "draft_tokens": m.draft_tokens,
+            "accepted_tokens": m.accepted_tokens,
+            "emitted_tokens": m.emitted_tokens,
+            "prefill_tokens": m.prefill_tokens,
+            "step_seconds_total": m.step_seconds_total,
+            "queue_wait_seconds_total": m.queue_wait_seconds_total,
+        }
+
+    # ---- lifecycle ----
+
+    def warmup(self) -> None:
+        """One prefill and one verify-shaped pass, so the first real step is not the slow one."""
+        slot = self.kv.allocate()
+        try:
+            for n in (8, 5):
+                ids = torch.ones(n, dtype=torch.long)
+                self.runner.forward(ModelInput(ids, torch.arange(n), torch.full((n,), slot),
+                                               [Segment(slot, 0, n, n)], torch.arange(n)))
+        finally:
+            self.kv.free(slot)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="sled-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for work in self._pending:
+            work.reply(SledError("UNAVAILABLE", "server is shutting down; reopen with the full context"))
+        self._pending.clear()
+
+    # ---- the worker ----
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(self._next_timeout())
+            now = time.monotonic()
+            if self._ready(now):
+                try:
+                    self.step()
+                except Exception:  # noqa: BLE001 - the worker must survive anything one batch does
+                    log.exception("engine step failed")
+            if now - self._last_sweep > 1.0:
+                self._sweep(now)
+                self._last_sweep = now
+
+    def _prefilling(self) -> list[Session]:
+        return [s for s in self._sessions.values() if not s.finished and not s.prefilled]
+
+    def _ready(self, now: float) -> bool:
+        oldest = self._pending[0].enqueued if self._pending else None
+        prefilling = self._prefilling()
+        if prefilling and oldest is None:
+            return True
+        active = sum(1 for s in self._sessions.values() if not s.finished)
+        return self.scheduler.ready(self._pending, prefilling, active, oldest, now)
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        if self._ready(now):
+            return 0.0
+        if self._pending:
+            return max(0.0, self.config.max_wait_ms / 1000.0 - (now - self._pending[0].enqueued))
+        return 0.2
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload, reply: Reply | None) -> None:
+        try:
+            if kind == "open":
+                reply(self._open(payload))
+            elif kind == "verify":
+                self._enqueue_verify(*payload, reply)
+            elif kind == "close":
+                self._close(payload)
+        except SledError as err:
+            if reply is not None:
+                reply(err)
+
+    def _open(self, req: OpenRequest) -> Session:
+        cfg = self.config
+        n = len(req.context_token_ids)
+        if n == 0:
+            raise invalid("context_token_ids is empty: send at least one prompt token")
+        if n >= cfg.max_seq_len:
+            raise invalid(f"prompt of {n} tokens is over the context limit: at most {cfg.max_seq_len - 1} tokens")
+        bad = [t for t in req.context_token_ids if t >= self.vocab_size]
+        if bad:
+            raise invalid(f"token id {bad[0]} out of range: the target vocabulary has {self.vocab_size} tokens")
+        if req.max_tokens <= 0:
+            raise invalid("max_tokens must be at least 1")
+        try:
+            slot = self.kv.allocate()
+        except SledError:
+            self.metrics.sessions_refused += 1
+            raise
+        seed = req.sampling.seed
+        if seed is None and self.config.seed is not None:
+            seed = self._seeds.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        session = Session(id=uuid.uuid4().hex, slot=slot, tokens=list(req.context_token_ids),
+                          sampling=req.sampling, remaining=req.max_tokens,
+                          stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id)
+        self._sessions[session.id] = session
+        self.metrics.sessions_opened += 1
+        self.metrics.active_sessions.set(len(self._sessions))
+        return session
+
+    def _enqueue_verify(self, session_id: str, draft: DraftRequest, reply: Reply) -> None:
+        session = self._sessions.get(session_id)
+        if session is None:
+            why = self._expired.get(session_id, "it was never opened on this server or was closed")
+            raise SledError("NOT_FOUND", f"unknown session {session_id}: {why}; reopen with the full context")
+        if session.finished:
+            raise SledError("FAILED_PRECONDITION", f"session {session_id} has finished ({session.finish_reason})")
+        if any(w.session is session for w in self._pending):
+            raise SledError("FAILED_PRECONDITION", "a draft of this session is still being verified; wait for its verdict")
+        if len(draft.token_ids) > self.config.max_draft_tokens:
+            raise invalid(f"draft of {len(draft.token_ids)} tokens is longer than max_draft_tokens={self.config.max_draft_tokens}")
+        bad = [t for t in draft.token_ids if t >= self.vocab_size]
+        if bad:
+            raise invalid(f"draft token id {bad[0]} out of range: the target vocabulary has {self.vocab_size} tokens")
+        session.last_active = time.monotonic()
+        self._pending.append(VerifyWork(session, draft, reply))
+
+    def _close(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        self._release(session)
+        for work in [w for w in self._pending if w.session is session]:
+            self._pending.remove(work)
+            work.reply(SledError("CANCELLED", "session closed"))
+        self.metrics.active_sessions.set(len(self._sessions))
+
+    def _release(self, session: Session) -> None:
+        if session.slot >= 0:
+            self.kv.free(session.slot)
+            session.slot = -1
+
+    def _sweep(self, now: float) -> None:
+        busy = {w.session.id for w in self._pending}
+        for sid, s in list(self._sessions.items()):
+            if sid not in busy and now - s.last_active > self.config.idle_timeout_s:
+                log.info("session %s idle for %.0fs: freed", sid, now - s.last_active)
+                self._expired[sid] = f"it expired after {self.config.idle_timeout_s:g}s without traffic"
+                while len(self._expired) > 4096:
+                    self._expired.popitem(last=False)
+                self._close(sid)
+
+    # ---- one step ----
+
+    def step(self) -> None:
+        t0 = time.monotonic()
+        plan = self.scheduler.plan(self._pending, self._prefilling())
+        if not plan:
+            return
+        for work in plan.verifies:
+            self._pending.remove(work)
+        drafts = [self._clip(w) for w in plan.verifies]
+        try:
+            inp = self._model_input(plan, drafts)
+            logits = self.runner.forward(inp) if inp.token_ids.numel() else None
+            verdicts = self._verify(plan.verifies, drafts, logits)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("step failed")
+            for work in plan.verifies:
+                work.reply(SledError("INTERNAL", f"verification failed: {exc}"))
+            return
+        for p in plan.prefills:
+            p.session.kv_len += p.length
+        for work, verdict in zip(plan.verifies, verdicts):
+            work.reply(verdict)
+        self.metrics.record_step(len(plan.verifies), sum(p.length for p in plan.prefills),
+                                 time.monotonic() - t0, [t0 - w.enqueued for w in plan.verifies])
+
+    def _clip(self, work: VerifyWork) -> list[int]:
+        """Draft tokens worth verifying: what fits in the context and in max_tokens."""
+        s = work.session
+        room = min(self.config.max_seq_len - s.kv_len - 1, s.remaining - 1)
+        return list(work.draft.token_ids[: max(room, 0)])
+
+    def _model_input(self, plan: Plan, drafts: list[list[int]]) -> ModelInput:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        segments: list[Segment] = []
+        logit_rows: list[int] = []
+        for p in plan.prefills:
+            s = p.session
+            self._append(s, s.tokens[s.kv_len : s.kv_len + p.length], tokens, positions, slots, segments)
+        for work, draft in zip(plan.verifies, drafts):
+            s = work.session
+            logit_rows.extend(range(len(tokens), len(tokens) + len(draft) + 1))
+            self._append(s, [s.tokens[-1]] + draft, tokens, positions, slots, segments)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return ModelInput(as_long(tokens), as_long(positions), as_long(slots), segments, as_long(logit_rows))
+
+    @staticmethod
+    def _append(s: Session, ids: list[int], tokens, positions, slots, segments) -> None:
+        start = s.kv_len
+        segments.append(Segment(s.slot, len(tokens), len(ids), start + len(ids)))
+        tokens.extend(ids)
+        positions.extend(range(start, start + len(ids)))
+        slots.extend([s.slot] * len(ids))
+
+    def _verify(self, works: list[VerifyWork], drafts: list[list[int]], logits) -> list[Verdict | SledError]:
+        if not works:
+            return []
+        results: list[Verdict | SledError | None] = [None] * len(works)
+        live = list(range(len(works)))
+        row_start = [0]
+        for d in drafts:
+            row_start.append(row_start[-1] + len(d) + 1)
+        while live:
+            rows = torch.cat([torch.arange(row_start[i], row_start[i + 1]) for i in live])
+            try:
+                ver = self._sample([works[i] for i in live], [drafts[i] for i in live], logits[rows])
+                break
+            except NonFiniteLogitsError as err:
+                for j in err.request_indices:
+                    results[live[j]] = SledError("INTERNAL", "the target produced non-finite logits for this session; nothing was committed")
+                live = [i for j, i in enumerate(live) if j not in set(err.request_indices)]
+        else:
+            return results  # type: ignore[return-value]
+        for j, i in enumerate(live):
+            results[i] = self._commit(works[i], drafts[i], int(ver.num_accepted[j]), int(ver.next_token[j]))
+        return results  # type: ignore[return-value]
+
+    def _sample(self, works: list[VerifyWork], drafts: list[list[int]], logits: torch.Tensor):
+        k_max = max([1] + [w.draft.q_ids.shape[1] for w in works if w.draft.q_ids is not None])
+        num_draft = sum(len(d) for d in drafts)
+        q_ids = torch.zeros(num_draft, k_max, dtype=torch.long)
+        q_probs = torch.zeros(num_draft, k_max, dtype=torch.float32)
+        cu = [0]
+        for work, draft in zip(works, drafts):
+            a, b = cu[-1], cu[-1] + len(draft)
+            if work.draft.q_ids is None:
+                q_ids[a:b, 0] = torch.tensor(draft, dtype=torch.long)
+                q_probs[a:b, 0] = 1.0
+            else:
+                k = work.draft.q_ids.shape[1]
+                q_ids[a:b, :k] = work.draft.q_ids[: len(draft)]
+                q_probs[a:b, :k] = work.draft.q_probs[: len(draft)]
+            cu.append(b)
+        sp = [w.session.sampling for w in works]
+        sampling = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in sp], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in sp], dtype=torch.long),
+            top_p=torch.tensor([p.top_p if 0 < p.top_p <= 1 else 1.0 for p in sp], dtype=torch.float32),
+            generators=tuple(w.session.generator for w in works),
+            default=self._default_gen,
+        )
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+        return rejection_sample(logits, flat, torch.tensor(cu), q_ids, q_probs, sampling)
+
+    def _commit(self, work: VerifyWork, draft: list[int], n_accepted: int, next_token: int) -> Verdict:
+        s = work.session
+        kept, nxt, reason = commit_tokens(draft, n_accepted, next_token, s.stop_ids, s.remaining)
+        block = draft[:kept] + ([nxt] if nxt is not None else [])
+        s.tokens.extend(block)
+        s.remaining -= len(block)
+        s.generated += len(block)
+        if reason is None and len(s.tokens) >= self.config.max_seq_len:
+            reason = LENGTH
+        if reason is not None:
+            s.finished, s.finish_reason = True, reason
+            self._release(s)
+        else:
+            s.kv_len = len(s.tokens) - 1
+        s.last_active = time.monotonic()
+        self.metrics.record_verification(len(draft), kept, len(block))
+        return Verdict(work.draft.round, kept, nxt, reason is not None, reason)

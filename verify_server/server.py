@@ -1,0 +1,105 @@
+"""The verify server process: grpc.aio, health (NOT_SERVING until warm), reflection, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sled.v1 import verify_pb2 as pb
+from sled.v1 import verify_pb2_grpc as pb_grpc
+
+from .config import ServerConfig
+from .engine import Engine
+from .model_loader import Target, load_target, resolve_device, resolve_dtype
+from .servicer import ExceptionInterceptor, VerifierServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class VerifyServer:
+    """Owns the gRPC server and, once loaded, the engine. `target` may be given preloaded (tests share one)."""
+
+    def __init__(self, config: ServerConfig, target: Target | None = None, attention: str = "sdpa"):
+        self.config = config
+        self.target = target
+        self.attention = attention
+        self.engine: Engine | None = None
+        self.servicer = VerifierServicer(config)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            interceptors=[ExceptionInterceptor()],
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        )
+        pb_grpc.add_VerifierServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{self.config.host}:{self.config.port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await self.server.start()
+        log.info("listening on %s:%d (NOT_SERVING until the model is warm)", self.config.host, self.port)
+        return self.port
+
+    async def load(self) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        if self.target is None:
+            device = resolve_device(cfg.device)
+            self.target = await asyncio.to_thread(load_target, cfg.target, device, resolve_dtype(cfg.dtype, device))
+        engine = Engine(cfg, self.target, self.attention)
+        await asyncio.to_thread(engine.warmup)
+        engine.start()
+        self.engine = engine
+        self.servicer.engine = engine
+        if cfg.metrics_port:
+            engine.metrics.serve(cfg.metrics_port, cfg.host)
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("target %s warm in %.1fs: SERVING", self.target.name, time.monotonic() - t0)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self.engine is not None:
+            self.engine.stop()
+
+
+async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
+    """Run until SIGTERM or SIGINT, then drain in-flight calls and stop."""
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    server = VerifyServer(config, attention=attention)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await server.start()
+    loader = asyncio.create_task(server.load())
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if loader in done:
+        loader.result()  # a load failure ends the process with its error
+        print(f"SLED verify server ready on {config.host}:{port} (target {server.target.name})", flush=True)
+        await waiter
+    else:
+        loader.cancel()
+    log.info("shutting down")
+    await server.stop()

@@ -1,0 +1,92 @@
+"""Generation sessions on the server and what one verification commits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+STOP = "stop"
+LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    context_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    client_id: str = ""
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    round: int
+    token_ids: tuple[int, ...]
+    q_ids: torch.Tensor | None  # [num_draft, K] int64, None: each token chosen deterministically
+    q_probs: torch.Tensor | None  # [num_draft, K] float32
+
+
+@dataclass(frozen=True)
+class Verdict:
+    round: int
+    n_accepted: int
+    next_token: int | None
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Session:
+    id: str
+    slot: int
+    tokens: list[int]  # the whole committed context; KV holds all but the last
+    sampling: SamplingParams
+    remaining: int
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    client_id: str = ""
+    kv_len: int = 0
+    generated: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    last_active: float = field(default_factory=time.monotonic)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.kv_len >= len(self.tokens) - 1
+
+
+def commit_tokens(
+    draft: list[int], n_accepted: int, next_token: int, stop_ids: frozenset[int], remaining: int
+) -> tuple[int, int | None, str | None]:
+    """Cut an accepted block at the first stop token or at `remaining` tokens.
+
+    Returns (n_accepted, next_token or None, finish reason or None).
+    """
+    block = draft[:n_accepted] + [next_token]
+    reason = None
+    for i, tok in enumerate(block):
+        if tok in stop_ids:
+            block, reason = block[: i + 1], STOP
+            break
+    if len(block) > remaining:
+        block, reason = block[:remaining], LENGTH
+    elif len(block) == remaining and reason is None:
+        reason = LENGTH
+    kept_draft = min(n_accepted, len(block))
+    nxt = block[-1] if len(block) == n_accepted + 1 else None
+    return kept_draft, nxt, reason
