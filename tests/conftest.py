@@ -1,0 +1,128 @@
+"""Shared fixtures: one loaded target model per test session, in-process servers around it, references."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+
+import pytest
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at",
+    "import numpy as np\n\n",
+    "List three fruits: apple,",
+    "The quick brown fox",
+    "In machine learning, overfitting means",
+    "1, 2, 3, 4, 5,",
+    "The best way to learn a language is",
+    "Photosynthesis is the process by which",
+    "Dear customer, thank you for",
+    "SELECT name FROM users WHERE",
+    "The sun rises in the",
+    "Here is a recipe for pancakes:",
+    "A haiku about autumn:\n",
+    "The largest planet in the solar system is",
+    "To be or not to be,",
+    "Monday, Tuesday, Wednesday,",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "The history of the Roman Empire",
+]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class ServerThread:
+    """A VerifyServer on its own event loop thread, as the sled-server process runs it."""
+
+    def __init__(self, config, target):
+        from verify_server.server import VerifyServer
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def make():
+            server = VerifyServer(config, target=target)
+            await server.start()
+            return server
+
+        self.server = self.call(make())
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def call(self, coro, timeout=300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def load(self):
+        self.call(self.server.load())
+        return self
+
+    @property
+    def engine(self):
+        return self.server.engine
+
+    def stop(self):
+        self.call(self.server.stop(grace=1))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def target():
+    import torch
+
+    from verify_server.model_loader import load_target
+
+    return load_target(None, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from edge_client.tokenizer import Tokenizer
+
+    return Tokenizer()
+
+
+@pytest.fixture
+def make_server(target):
+    """Start servers sharing the session's target; each gets its own engine, KV pool and port."""
+    started = []
+
+    def make(load=True, **settings):
+        from verify_server.config import ServerConfig
+
+        base = dict(host="127.0.0.1", port=0, max_sessions=24, max_seq_len=512, max_wait_ms=5.0, seed=0)
+        base.update(settings)
+        server = ServerThread(ServerConfig(**base), target)
+        started.append(server)
+        return server.load() if load else server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_greedy(target):
+    """Target-only greedy decoding with transformers' own generate(): the ground truth for temperature 0."""
+    import torch
+
+    @functools.lru_cache(maxsize=None)
+    def decode(prompt_ids: tuple[int, ...], max_tokens: int) -> list[int]:
+        eos = list(target.eos_token_ids)
+        with torch.inference_mode():
+            out = target.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                        eos_token_id=eos, pad_token_id=eos[0])
+        ids = out[0, len(prompt_ids):].tolist()
+        for i, tok in enumerate(ids):
+            if tok in eos:
+                return ids[: i + 1]
+        return ids
+
+    return decode

@@ -1,0 +1,33 @@
+"""The device side must install on a Raspberry Pi: it never imports torch or transformers."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import edge_client
+
+ROOT = Path(edge_client.__file__).parent
+FORBIDDEN = {"torch", "transformers", "verify_server", "kernels"}
+
+
+def test_no_forbidden_import_statement():
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                assert name.split(".")[0] not in FORBIDDEN, f"{path.name} imports {name}"
+
+
+def test_importing_everything_loads_no_torch():
+    modules = [f"edge_client.{p.relative_to(ROOT).with_suffix('').as_posix().replace('/', '.')}"
+               for p in ROOT.rglob("*.py") if p.name != "__init__.py"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+            "assert not bad, bad\nprint(len(sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

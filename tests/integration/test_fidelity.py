@@ -1,0 +1,97 @@
+"""Temperature 0 must give exactly the target's own greedy text, with drafts really exercised and batched."""
+
+import asyncio
+
+import pytest
+
+from edge_client.drafters import DrafterOptions, create_drafter
+from edge_client.generation import generate
+from edge_client.sampling import SamplingParams
+from edge_client.transport import VerifierClient
+from tests.conftest import PROMPTS, run
+
+pytestmark = pytest.mark.model
+
+
+async def _generate_all(address, tokenizer, jobs, max_tokens, draft_tokens=4, sampling=SamplingParams()):
+    """jobs: list of (prompt_ids, drafter name); all sessions run at once over one channel."""
+    client = VerifierClient(address)
+    drafters = [create_drafter(name, DrafterOptions(context_size=512, threads=1)) for _, name in jobs]
+    try:
+        return await asyncio.gather(*[
+            generate(client, d, tokenizer, ids, max_tokens=max_tokens, sampling=sampling, draft_tokens=draft_tokens)
+            for (ids, _), d in zip(jobs, drafters)
+        ])
+    finally:
+        await client.close()
+        for d in drafters:
+            d.close()
+
+
+def test_greedy_equals_target_only_decoding_on_20_prompts(make_server, tokenizer, reference_greedy):
+    server = make_server()
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:20]]
+    results = run(_generate_all(server.address, tokenizer, [(ids, "llama-cpp") for ids in prompts], 64))
+    for ids, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(tuple(ids), 64), tokenizer.decode(ids)
+    accepted = sum(r.accepted_tokens for r in results)
+    drafted = sum(r.draft_tokens for r in results)
+    assert drafted > 0 and accepted > 0
+    assert sum(len(r.token_ids) for r in results) > sum(r.rounds for r in results)  # > 1 token per round
+    stats = server.engine.stats()
+    assert stats["accepted_tokens"] == accepted
+
+
+def test_concurrent_sessions_each_correct_while_batched(make_server, tokenizer, reference_greedy):
+    server = make_server(max_wait_ms=20.0)
+    drafters = ["llama-cpp", "ngram", "none", "llama-cpp", "ngram", "llama-cpp", "none", "llama-cpp", "llama-cpp",
+                "ngram"]
+    prompts = [tokenizer.encode(p) for p in PROMPTS[10:20]]
+    results = run(_generate_all(server.address, tokenizer, list(zip(prompts, drafters)), 48))
+    for ids, name, result in zip(prompts, drafters, results):
+        assert result.token_ids == reference_greedy(tuple(ids), 48), (name, tokenizer.decode(ids))
+    assert server.engine.stats()["max_step_sessions"] > 1
+    assert server.engine.stats()["active_sessions"] == 0
+    assert server.engine.kv.num_free == server.engine.config.max_sessions
+
+
+def test_seeded_sampling_is_reproducible_and_uses_draft_distributions(make_server, tokenizer):
+    server = make_server()
+    prompt = tokenizer.encode(PROMPTS[2])
+
+    def sample(seed):
+        sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=seed)
+        return run(_generate_all(server.address, tokenizer, [(prompt, "llama-cpp")], 40, sampling=sampling))[0]
+
+    a, b, c = sample(11), sample(11), sample(12)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    assert a.accepted_tokens > 0
+
+
+def test_runner_logits_match_transformers(target):
+    import torch
+
+    from kernels.attention import Segment
+    from verify_server.kv_cache import KVCache
+    from verify_server.model_runner import ModelInput, ModelRunner
+
+    cfg = target.model.config
+    kv = KVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 64, 64, torch.float32, torch.device("cpu"))
+    ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2, 30, 31])
+    with torch.inference_mode():
+        want = target.model(ids[None]).logits[0]
+    for attention in ("sdpa", "reference"):
+        runner = ModelRunner(target.model, kv, attention)
+        a, b = kv.allocate(), kv.allocate()
+        # Slot a: whole sequence at once. Slot b: 7 tokens, then the other 5 against the cache.
+        got = runner.forward(ModelInput(torch.cat([ids, ids[:7]]), torch.cat([torch.arange(12), torch.arange(7)]),
+                                        torch.tensor([a] * 12 + [b] * 7), [Segment(a, 0, 12, 12), Segment(b, 12, 7, 7)],
+                                        torch.arange(19)))
+        assert torch.allclose(got[:12], want, atol=2e-3)
+        assert torch.allclose(got[12:], want[:7], atol=2e-3)
+        got = runner.forward(ModelInput(ids[7:], torch.arange(7, 12), torch.tensor([b] * 5), [Segment(b, 0, 5, 12)],
+                                        torch.arange(5)))
+        assert torch.allclose(got, want[7:], atol=2e-3)
+        kv.free(a)
+        kv.free(b)

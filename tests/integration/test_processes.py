@@ -1,0 +1,104 @@
+"""Real processes: a sled-server and sled-edge devices talking over loopback."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PROMPTS
+
+pytestmark = pytest.mark.model
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_process(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([BIN / "sled-server", "--port", str(port), "--max-sessions", "8",
+                                 "--max-seq-len", "512"], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while "ready on" not in log.read_text():
+        assert proc.poll() is None, log.read_text()
+        assert time.time() < deadline, "server did not become ready"
+        time.sleep(0.5)
+    yield proc, f"127.0.0.1:{port}", log
+    if proc.poll() is None:
+        proc.kill()
+
+
+def edge(args, timeout=180):
+    return subprocess.run([BIN / "sled-edge", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("drafter", ["llama-cpp", "ngram", "none"])
+def test_sled_edge_generate_streams_text_and_writes_stats(server_process, tmp_path, tokenizer, reference_greedy,
+                                                          drafter):
+    _, address, _ = server_process
+    stats_file = tmp_path / "stats.json"
+    done = edge(["generate", PROMPTS[4], "--server", address, "--drafter", drafter, "--max-tokens", "32",
+                 "--stats-json", str(stats_file)])
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(stats_file.read_text())
+    for key in ("prompt_token_ids", "token_ids", "text", "rounds", "draft_tokens", "accepted_tokens",
+                "acceptance_rate", "mean_acceptance_length", "tokens_per_second"):
+        assert key in stats
+    assert stats["prompt_token_ids"] == tokenizer.encode(PROMPTS[4])
+    assert stats["token_ids"] == reference_greedy(tuple(stats["prompt_token_ids"]), 32)
+    assert stats["text"].strip() and stats["text"].strip() in done.stdout
+    assert stats["tokens_per_second"] > 0
+    if drafter == "llama-cpp":
+        assert stats["accepted_tokens"] > 0 and stats["mean_acceptance_length"] > 1
+    if drafter == "none":
+        assert stats["draft_tokens"] == 0 and stats["rounds"] == len(stats["token_ids"])
+
+
+def test_edge_reports_a_refusal_clearly(server_process, tmp_path):
+    _, address, _ = server_process
+    other = tmp_path / "other_vocab.gguf"
+    done = edge(["generate", "hi", "--server", address, "--draft-tokens", "99", "--drafter", "none",
+                 "--temperature", "-1"])
+    assert done.returncode == 2 and "temperature" in done.stderr
+    done = edge(["generate", "hi", "--server", address, "--draft-model", str(other)])
+    assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+def test_help_documents_every_option():
+    server = subprocess.run([BIN / "sled-server", "--help"], capture_output=True, text=True)
+    for flag in ("--host", "--port", "--target", "--config", "--max-batch-sessions", "--max-batch-tokens",
+                 "--max-wait-ms", "--max-sessions", "--idle-timeout-s"):
+        assert flag in server.stdout
+    gen = edge(["generate", "--help"])
+    for flag in ("--server", "--drafter", "--draft-model", "--draft-tokens", "--max-tokens", "--temperature",
+                 "--top-k", "--top-p", "--seed", "--stats-json"):
+        assert flag in gen.stdout
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("max_sessions: -3\n")
+    done = subprocess.run([BIN / "sled-server", "--config", str(cfg)], capture_output=True, text=True)
+    assert done.returncode == 2 and "max_sessions must be positive" in done.stderr
+    cfg.write_text("max_sesions: 3\n")
+    done = subprocess.run([BIN / "sled-server", "--config", str(cfg)], capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown server settings ['max_sesions']" in done.stderr
+
+
+def test_server_stops_gracefully_on_sigterm(server_process):
+    proc, _, log = server_process
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert "shutting down" in log.read_text()

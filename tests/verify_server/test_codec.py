@@ -1,0 +1,61 @@
+import math
+
+import pytest
+import torch
+
+from sled.v1 import verify_pb2 as pb
+from verify_server.codec import draft_from_pb, open_from_pb, verdict_to_pb
+from verify_server.errors import SledError
+from verify_server.sessions import Verdict
+
+
+def draft(tokens, offsets=None, ids=None, probs=None):
+    msg = pb.Draft(session_id="s", round=3, token_ids=tokens)
+    if offsets is not None:
+        msg.draft_probs.CopyFrom(pb.SparseDistributions(offsets=offsets, token_ids=ids, probs=probs))
+    return msg
+
+
+def test_sparse_distributions_become_padded_tensors():
+    d = draft_from_pb(draft([4, 7], [0, 2, 3], [4, 5, 7], [0.75, 0.25, 1.0]), 100, 8, 8)
+    assert d.token_ids == (4, 7) and d.round == 3
+    assert torch.equal(d.q_ids, torch.tensor([[4, 5], [7, 0]]))
+    assert torch.equal(d.q_probs, torch.tensor([[0.75, 0.25], [1.0, 0.0]]))
+
+
+def test_deterministic_draft_has_no_q():
+    d = draft_from_pb(draft([4, 7]), 100, 8, 8)
+    assert d.q_ids is None and d.q_probs is None
+
+
+@pytest.mark.parametrize("msg,needle", [
+    (draft([1] * 9), "longer than the server's max_draft_tokens=8"),
+    (draft([100]), "out of range"),
+    (draft([1], [0, 1, 2], [1, 2], [0.5, 0.5]), "malformed"),
+    (draft([1], [0, 2], [1, 2], [math.nan, 0.5]), "finite"),
+    (draft([1], [0, 2], [1, 2], [-0.1, 1.1]), "[0, 1]"),
+    (draft([1], [0, 2], [1, 2], [0.2, 0.2]), "sum to 1"),
+    (draft([1], [0, 2], [1, 200], [0.5, 0.5]), "out of range"),
+    (draft([1], [0, 0], [], []), "1 to 8"),
+])
+def test_bad_drafts_are_invalid_argument(msg, needle):
+    with pytest.raises(SledError) as err:
+        draft_from_pb(msg, 100, 8, 8)
+    assert err.value.code == "INVALID_ARGUMENT" and needle in err.value.message
+
+
+@pytest.mark.parametrize("sampling,needle", [
+    (pb.SamplingParams(temperature=-1), "temperature"),
+    (pb.SamplingParams(temperature=math.nan), "temperature"),
+    (pb.SamplingParams(top_p=1.5), "top_p"),
+])
+def test_bad_sampling_is_invalid_argument(sampling, needle):
+    with pytest.raises(SledError) as err:
+        open_from_pb(pb.Open(context_token_ids=[1], sampling=sampling), 100)
+    assert err.value.code == "INVALID_ARGUMENT" and needle in err.value.message
+
+
+def test_verdict_without_next_token_leaves_the_field_unset():
+    msg = verdict_to_pb(Verdict(2, 1, None, True, "stop")).verdict
+    assert not msg.HasField("next_token") and msg.finished and msg.finish_reason == pb.FINISH_REASON_STOP
+    assert verdict_to_pb(Verdict(2, 1, 0, False, None)).verdict.HasField("next_token")
