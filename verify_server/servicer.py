@@ -97,6 +97,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                 cfg.max_draft_tokens, cfg.max_sessions, sorted(engine.eos_ids), engine.stats())
 
 
+async def _abort_for(err: Exception, context, method: str) -> None:
+    if isinstance(err, SledError):
+        await context.abort(grpc.StatusCode[err.code], err.message)
+    log.error("%s failed", method, exc_info=err)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err}")
+
+
 class ExceptionInterceptor(grpc.aio.ServerInterceptor):
     """Turns SledError into its gRPC status and anything unexpected into INTERNAL, for every method."""
 
@@ -112,13 +119,10 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for response in inner(request_iterator, context):
                         yield response
-                except SledError as err:
-                    await context.abort(grpc.StatusCode[err.code], err.message)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
-                except Exception as exc:  # noqa: BLE001
-                    log.exception("%s failed", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+                except Exception as err:  # noqa: BLE001
+                    await _abort_for(err, context, method)
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
                                                          handler.response_serializer)
@@ -128,13 +132,10 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request, context):
                 try:
                     return await inner_unary(request, context)
-                except SledError as err:
-                    await context.abort(grpc.StatusCode[err.code], err.message)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
-                except Exception as exc:  # noqa: BLE001
-                    log.exception("%s failed", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+                except Exception as err:  # noqa: BLE001
+                    await _abort_for(err, context, method)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
                                                        handler.response_serializer)

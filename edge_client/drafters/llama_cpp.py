@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models import resolve_model_path
+from ..models import quiet_native_stderr, resolve_model_path
 from ..sampling import SamplingParams, sample, sparse_distribution
 from .base import DrafterOptions, Proposal
 
@@ -25,8 +25,9 @@ class LlamaCppDrafter:
 
         self.path = resolve_model_path(options.model_path)
         kwargs = {"n_threads": options.threads} if options.threads else {}
-        self.llm = llama_cpp.Llama(str(self.path), n_ctx=options.context_size, n_gpu_layers=options.gpu_layers,
-                                   logits_all=False, verbose=False, **kwargs)
+        with quiet_native_stderr():
+            self.llm = llama_cpp.Llama(str(self.path), n_ctx=options.context_size, n_gpu_layers=options.gpu_layers,
+                                       logits_all=False, verbose=False, **kwargs)
         self.vocab_size = self.llm.n_vocab()
         self.eos = self.llm.token_eos()
         self.top_k_cap = options.top_k_cap

@@ -71,3 +71,9 @@ def test_llama_cpp_drafter_sends_the_distribution_it_sampled_from(tokenizer):
     for tok, ids, probs in zip(prop.token_ids, prop.q_ids, prop.q_probs):
         assert len(ids) <= 8 and abs(float(probs.sum()) - 1) < 1e-5 and tok in ids.tolist()
     drafter.close()
+
+
+@pytest.mark.model
+def test_both_sides_compute_the_same_fingerprint(tokenizer, target):
+    assert tokenizer.fingerprint == target.fingerprint
+    assert tokenizer.vocab_tokens == target.vocab_tokens

@@ -1,0 +1,182 @@
+"""First figures: system tokens/s and acceptance for N concurrent sessions, SLED vs server-only, in one run.
+
+One real sled-server process (the real SmolLM2 target); N device sessions run concurrently in this
+process, each with its own drafter. Both modes use the same server, prompts and token budget, side by
+side in one run, so the ratio is what counts on a shared, noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
+from edge_client.generation import generate  # noqa: E402
+from edge_client.sampling import SamplingParams  # noqa: E402
+from edge_client.tokenizer import Tokenizer  # noqa: E402
+from edge_client.transport import VerifierClient  # noqa: E402
+
+QUESTIONS = [
+    "Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
+    "What are the benefits of regular exercise?", "Describe how a bicycle works.",
+    "Give me three tips for learning to cook.", "What is photosynthesis?",
+    "Write a poem about the ocean.", "How do airplanes stay in the air?",
+    "Summarize the plot of Romeo and Juliet.", "What is machine learning?",
+    "Describe a day in the life of a farmer.", "Why do we have seasons?",
+    "How does the internet work?", "Write a letter to a friend about a trip to the mountains.",
+    "What makes a good leader?", "Explain how vaccines work.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
+
+
+async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int, max_tokens: int, k: int,
+                       temperature: float) -> dict:
+    client = VerifierClient(address)
+    drafters = [create_drafter(drafter, DrafterOptions(context_size=1024, threads=1)) for _ in range(n)]
+    prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
+               for i in range(n)]
+    before = await client.info()
+    start = time.perf_counter()
+    results = await asyncio.gather(*[
+        generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k,
+                 sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
+        for i, (d, p) in enumerate(zip(drafters, prompts))
+    ])
+    wall = time.perf_counter() - start
+    after = await client.info()
+    await client.close()
+    for d in drafters:
+        d.close()
+    tokens = sum(len(r.token_ids) for r in results)
+    draft = sum(r.draft_tokens for r in results)
+    accepted = sum(r.accepted_tokens for r in results)
+    rounds = sum(r.rounds for r in results)
+    steps = after.stats.steps - before.stats.steps
+    verifications = after.stats.verifications - before.stats.verifications
+    return {
+        "drafter": drafter, "sessions": n, "tokens": tokens, "wall_s": wall,
+        "system_tokens_per_s": tokens / wall,
+        "per_session_tokens_per_s": sum(r.tokens_per_second for r in results) / n,
+        "acceptance_rate": accepted / draft if draft else 0.0,
+        "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
+        "server_steps": steps,
+        "mean_batch_sessions": verifications / steps if steps else 0.0,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", default="1,4,16", help="comma-separated concurrent session counts (default 1,4,16)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per session (default 64)")
+    ap.add_argument("--draft-tokens", type=int, default=4, help="K for the llama.cpp drafter (default 4)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
+    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--markdown", metavar="FILE", default=str(ROOT / "docs" / "benchmarks.md"),
+                    help="markdown file whose 'First figures' section is rewritten (default docs/benchmarks.md)")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.sessions.split(",")]
+
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="sled-bench-")) / "server.log"
+    print(f"[bench] starting sled-server on port {port} (log {log})", flush=True)
+    with open(log, "w") as out:
+        server = subprocess.Popen([Path(sys.executable).parent / "sled-server", "--port", str(port),
+                                   "--max-sessions", str(max(counts) + 2), "--max-seq-len", "1024",
+                                   "--max-wait-ms", "5"], stdout=out, stderr=subprocess.STDOUT)
+    rows = []
+    try:
+        t0 = time.time()
+        while "ready on" not in log.read_text():
+            if server.poll() is not None or time.time() - t0 > 300:
+                print(log.read_text(), file=sys.stderr)
+                return 1
+            time.sleep(1)
+        tokenizer = Tokenizer()
+        address = f"127.0.0.1:{port}"
+        asyncio.run(run_sessions(address, tokenizer, "llama-cpp", 1, 8, args.draft_tokens, 0.0))  # warm caches
+        plan = [(n, d) for n in counts for d in ("llama-cpp", "none")]
+        for i, (n, drafter) in enumerate(plan, 1):
+            print(f"[bench] {i}/{len(plan)}: {n} sessions, drafter {drafter} ...", end=" ", flush=True)
+            row = asyncio.run(run_sessions(address, tokenizer, drafter, n, args.max_tokens, args.draft_tokens,
+                                           args.temperature))
+            print(f"{row['system_tokens_per_s']:.1f} tok/s, acceptance {row['acceptance_rate']:.2f}", flush=True)
+            rows.append(row)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    by = {(r["sessions"], r["drafter"]): r for r in rows}
+    lines = [
+        "| sessions | SLED tok/s | server-only tok/s | ratio | acceptance | mean accept. length | SLED batch | server-only batch |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in counts:
+        s, b = by[(n, "llama-cpp")], by[(n, "none")]
+        lines.append(f"| {n} | {s['system_tokens_per_s']:.1f} | {b['system_tokens_per_s']:.1f} | "
+                     f"{s['system_tokens_per_s'] / b['system_tokens_per_s']:.2f}x | {s['acceptance_rate']:.2f} | "
+                     f"{s['mean_acceptance_length']:.2f} | {s['mean_batch_sessions']:.1f} | {b['mean_batch_sessions']:.1f} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    cmd = "python scripts/bench_first.py " + " ".join(sys.argv[1:])
+    section = (
+        "## First figures: SLED vs server-only on the real model pair\n\n"
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
+        f"- machine: {machine()} (no GPU); devices and server share these cores\n"
+        f"- command: `{cmd.strip()}` (also `make bench`)\n"
+        f"- target: SmolLM2-135M-Instruct (GGUF dequantized to float32, torch on CPU); drafter: the same GGUF "
+        f"(Q4_1) in llama.cpp, K = {args.draft_tokens}, one thread per session; {args.max_tokens} tokens per "
+        f"session, temperature {args.temperature:g}, chat prompts\n"
+        "- server-only = the same server with `--drafter none`: it decodes every token, batched across sessions\n"
+        "- system tok/s = all generated tokens / wall time of the whole round; batch = verifications per server step\n\n"
+        + table + "\n"
+    )
+    md = Path(args.markdown)
+    text = md.read_text() if md.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
+    marker = "## First figures"
+    if marker in text:
+        head, _, rest = text.partition(marker)
+        nxt = rest.find("\n## ")
+        text = head + section + (rest[nxt + 1:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + section
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(f"[bench] wrote {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
