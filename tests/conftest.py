@@ -126,3 +126,14 @@ def reference_greedy(target):
         return ids
 
     return decode
+
+
+@pytest.fixture(scope="session")
+def onnx_drafts(target, tmp_path_factory):
+    """Drafts exported from the session's target: 2 layers fp32, and 6 layers int8 (a weaker, self-speculative draft)."""
+    from scripts.export_onnx_draft import export
+
+    out = tmp_path_factory.mktemp("onnx")
+    fp32 = export(None, out / "l2.onnx", 2, False, log=lambda *_: None, target=target)
+    int8 = export(None, out / "l6q.onnx", 6, True, log=lambda *_: None, target=target)
+    return {"fp32": fp32, "int8": int8}

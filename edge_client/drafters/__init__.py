@@ -9,7 +9,9 @@ from .base import Drafter, DrafterOptions, Proposal
 # name -> "module:Class", imported on use so a device installs only what its drafter needs.
 REGISTRY = {
     "llama-cpp": "edge_client.drafters.llama_cpp:LlamaCppDrafter",
+    "onnx": "edge_client.drafters.onnx:OnnxDrafter",
     "ngram": "edge_client.drafters.ngram:NgramDrafter",
+    "cacheback": "edge_client.drafters.cacheback:CachebackDrafter",
     "none": "edge_client.drafters.base:NoDrafter",
 }
 

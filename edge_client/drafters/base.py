@@ -13,6 +13,7 @@ from ..sampling import SamplingParams
 @dataclass(frozen=True)
 class DrafterOptions:
     model_path: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
+    onnx_model: str | None = None  # .onnx for the onnx drafter
     threads: int | None = None
     gpu_layers: int = 0
     context_size: int = 4096

@@ -1,0 +1,95 @@
+"""Shared logic of model drafters that keep a KV cache: sync to the committed context, propose, roll back."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sampling import SamplingParams, sample, sparse_distribution
+from .base import DrafterOptions, Proposal
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class KVDrafter:
+    """Subclasses implement `_eval(tokens) -> next-token logits` and `_truncate(length)` on their own cache."""
+
+    name = "kv"
+
+    def __init__(self, options: DrafterOptions, eos_token_id: int, context_size: int):
+        self.top_k_cap = options.top_k_cap
+        self.n_ctx = context_size
+        self.eos = eos_token_id
+        self._evaluated: list[int] = []  # tokens whose KV the cache holds, in order
+        self._logits: np.ndarray | None = None  # next-token logits after the last evaluated token
+        self.sampling = SamplingParams()
+        self.rng = np.random.default_rng()
+
+    def _eval(self, tokens: list[int]) -> np.ndarray:  # [vocab] logits after the last token
+        raise NotImplementedError
+
+    def _truncate(self, length: int) -> None:
+        raise NotImplementedError
+
+    def begin(self, context: list[int], sampling: SamplingParams) -> None:
+        self.sampling = sampling
+        self.rng = np.random.default_rng(sampling.seed)
+        self.accept(context)
+
+    def rollback(self, length: int) -> None:
+        """Forget every evaluated token from position `length` on."""
+        if length < len(self._evaluated):
+            self._truncate(length)
+            del self._evaluated[length:]
+            self._logits = None
+
+    def _feed(self, tokens: list[int]) -> None:
+        self._logits = self._eval(tokens)
+        self._evaluated.extend(tokens)
+
+    def _sync(self, context: list[int]) -> None:
+        keep = common_prefix(self._evaluated, context)
+        if keep == len(context) == len(self._evaluated) and self._logits is not None:
+            return
+        keep = min(keep, len(context) - 1)  # the last token is evaluated here to get fresh logits
+        self.rollback(keep)
+        self._feed(context[keep:])
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        k = min(k, self.n_ctx - len(context) - 1)
+        if k <= 0:
+            return Proposal([])
+        self._sync(context)
+        s = self.sampling
+        tokens: list[int] = []
+        q_ids: list[np.ndarray] = []
+        q_probs: list[np.ndarray] = []
+        for i in range(k):
+            logits = self._logits
+            if s.greedy:
+                x = int(np.argmax(logits))
+            else:
+                top_k = min(s.top_k, self.top_k_cap) if s.top_k else self.top_k_cap
+                ids, probs = sparse_distribution(logits, s.temperature, top_k, s.top_p)
+                x = sample(ids, probs, self.rng)
+                q_ids.append(ids)
+                q_probs.append(probs)
+            tokens.append(x)
+            if x == self.eos:
+                break
+            if i < k - 1:
+                self._feed([x])
+        if s.greedy:
+            return Proposal(tokens)
+        return Proposal(tokens, q_ids, q_probs)
+
+    def accept(self, context: list[int]) -> None:
+        self.rollback(common_prefix(self._evaluated, context))
+
+    def close(self) -> None:
+        pass
