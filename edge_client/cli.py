@@ -36,6 +36,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--threads", type=int, help="llama.cpp threads (default: llama.cpp's choice)")
     p.add_argument("--gpu-layers", type=int, default=0, help="llama.cpp layers offloaded to a GPU (default 0)")
     p.add_argument("--auth-token", help="bearer token the server requires, if any")
+    p.add_argument("--fallback", choices=["wait", "local", "fail"], default="wait",
+                   help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
+                        "drafter alone marking tokens unverified (local), or fail at once. Default wait")
+    p.add_argument("--wait-deadline", type=float, default=120.0, metavar="S",
+                   help="seconds the wait policy keeps reconnecting before giving up (default 120)")
+    p.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
+                   help="deadline of one round, Draft to Verdict (default 30)")
     p.add_argument("--stats-json", metavar="FILE", help="write token ids, text and statistics as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
 
@@ -49,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _generate(args) -> dict:
     from .drafters import DrafterOptions, create_drafter
-    from .generation import generate
+    from .generation import Resilience, generate
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
     from .transport import VerifierClient
@@ -66,14 +73,18 @@ async def _generate(args) -> dict:
     prompt_ids = tokenizer.encode(text)
     client = VerifierClient(args.server, args.auth_token)
 
-    def show(piece: str) -> None:
+    resilience = Resilience(fallback=args.fallback, wait_deadline_s=args.wait_deadline,
+                            round_timeout_s=args.round_timeout)
+
+    def show(piece: str, verified: bool) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
     try:
         result = await generate(client, drafter, tokenizer, prompt_ids, max_tokens=args.max_tokens,
                                 sampling=sampling, draft_tokens=args.draft_tokens,
-                                on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}")
+                                on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}",
+                                resilience=resilience)
     finally:
         await client.close()
         drafter.close()
@@ -100,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         f"[{stats['drafter']}] {len(stats['token_ids'])} tokens in {stats['elapsed_s']:.2f}s "
         f"({stats['tokens_per_second']:.1f} tok/s), {stats['rounds']} rounds, acceptance "
         f"{stats['acceptance_rate']:.2f}, mean acceptance length {stats['mean_acceptance_length']:.2f}, "
-        f"finish {stats['finish_reason']}",
+        f"finish {stats['finish_reason']}"
+        + (f", {stats['reconnects']} reconnects" if stats["reconnects"] else "")
+        + (f", {stats['unverified_tokens']} UNVERIFIED tokens (made locally)" if stats["unverified_tokens"] else ""),
         file=sys.stderr,
     )
     if args.stats_json:

@@ -1,4 +1,10 @@
-"""The device-side round loop: draft, send, commit the verdict, roll the drafter back, repeat."""
+"""The device-side round loop: draft, send, commit the verdict, roll the drafter back, repeat.
+
+The device keeps the whole token history, so nothing is lost when the link drops or the server
+restarts: the loop reconnects with backoff and reopens with the full context. While the server
+stays unreachable the fallback policy decides: `wait` (bounded by a deadline), `local` (the
+drafter alone; its tokens are marked unverified) or `fail`.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +17,47 @@ from . import codec
 from .drafters.base import Drafter, Proposal
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .transport import VerifierClient
+from .transport import RemoteSession, VerifierClient, VerifyError
+
+# Refusals worth reconnecting for; anything else (bad input, mismatch, auth) fails at once.
+TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "ABORTED", "NOT_FOUND",
+                       "RESOURCE_EXHAUSTED"})
+FALLBACKS = ("wait", "local", "fail")
+
+
+@dataclass(frozen=True)
+class Resilience:
+    fallback: str = "wait"  # wait | local | fail, while the server is unreachable
+    wait_deadline_s: float = 120.0  # `wait` gives up after this long without the server
+    round_timeout_s: float = 30.0  # deadline of one round (Draft -> Verdict) and of an Open
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        for name in ("wait_deadline_s", "round_timeout_s", "backoff_initial_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass
 class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
+    token_verified: list[bool] = field(default_factory=list)
     text: str = ""
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    reconnects: int = 0
     elapsed_s: float = 0.0
     finish_reason: str | None = None
     drafter: str = ""
+
+    @property
+    def unverified_tokens(self) -> int:
+        return self.token_verified.count(False)
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,7 +86,154 @@ class GenerationResult:
             "mean_acceptance_length": self.mean_acceptance_length,
             "elapsed_s": self.elapsed_s,
             "tokens_per_second": self.tokens_per_second,
+            "reconnects": self.reconnects,
+            "unverified_tokens": self.unverified_tokens,
+            "unverified_token_indices": [i for i, ok in enumerate(self.token_verified) if not ok],
         }
+
+
+class _Generation:
+    """One generation's state; `generate()` below is its entry point."""
+
+    def __init__(self, client, drafter, tokenizer, prompt, max_tokens, sampling, draft_tokens, stop_ids, on_text,
+                 client_id, resilience, should_stop):
+        self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
+        self.max_tokens, self.sampling, self.k = max_tokens, sampling, draft_tokens
+        self.stop_ids = frozenset(stop_ids) | {tokenizer.eos_token_id}
+        self.request_stops = list(stop_ids)
+        self.on_text, self.client_id, self.policy, self.should_stop = on_text, client_id, resilience, should_stop
+        self.result = GenerationResult(prompt_token_ids=list(prompt), drafter=getattr(drafter, "name", ""))
+        self.context = list(prompt)
+        self.decoder = tokenizer.stream_decoder()
+        self.pieces: list[str] = []
+        self.session: RemoteSession | None = None
+        self.opens = 0
+        self.outage_since: float | None = None
+        self.next_attempt = 0.0
+        self.backoff = resilience.backoff_initial_s
+
+    def commit(self, tokens: list[int], verified: bool) -> None:
+        self.context.extend(tokens)
+        self.drafter.accept(self.context)
+        self.result.token_ids.extend(tokens)
+        self.result.token_verified.extend([verified] * len(tokens))
+        piece = self.decoder.feed(tokens)
+        self.pieces.append(piece)
+        if self.on_text is not None and piece:
+            self.on_text(piece, verified)
+
+    async def open(self) -> None:
+        sampling = self.sampling
+        if sampling.seed is not None and self.opens:
+            # A reopened server session must not replay the random draws it already used.
+            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
+                                      (sampling.seed + 1_000_003 * self.opens) % 2**63)
+        msg = codec.open_message(self.context, sampling, self.max_tokens - len(self.result.token_ids),
+                                 self.tokenizer.fingerprint, self.request_stops, self.client_id,
+                                 self.client.auth_token or "")
+        self.session = await self.client.open(msg, timeout=self.policy.round_timeout_s,
+                                              wait_for_ready=self.policy.fallback == "wait")
+        if self.opens:
+            self.result.reconnects += 1
+        self.opens += 1
+        self.k = min(self.k, self.session.opened.max_draft_tokens)
+        self.outage_since, self.backoff = None, self.policy.backoff_initial_s
+
+    def outage(self, err: VerifyError) -> None:
+        """The server is unreachable: decide whether to go on, and when to try again."""
+        if err.code not in TRANSIENT:
+            raise err
+        now = time.monotonic()
+        if self.outage_since is None:
+            self.outage_since = now
+        if self.policy.fallback == "fail":
+            raise VerifyError(err.code, f"verify server unreachable ({err.message}); fallback policy is fail")
+        waited = now - self.outage_since
+        if self.policy.fallback == "wait" and waited + self.backoff > self.policy.wait_deadline_s:
+            raise VerifyError("DEADLINE_EXCEEDED", f"verify server unreachable for {waited:.0f}s, past the wait "
+                                                   f"deadline of {self.policy.wait_deadline_s:g}s: {err.message}")
+        self.next_attempt = now + self.backoff
+        self.backoff = min(self.backoff * 2, self.policy.backoff_max_s)
+
+    def local_round(self) -> str | None:
+        """Continue with the drafter alone; returns a finish reason when the generation ends."""
+        proposal = self.drafter.propose(self.context, max(self.k, 1))
+        tokens, reason = list(proposal.token_ids), None
+        if not tokens:
+            return None
+        for i, tok in enumerate(tokens):
+            if tok in self.stop_ids:
+                tokens, reason = tokens[: i + 1], "stop"
+                break
+        room = self.max_tokens - len(self.result.token_ids)
+        if len(tokens) >= room:
+            tokens, reason = tokens[:room], reason if len(tokens) == room and reason else "length"
+        self.commit(tokens, verified=False)
+        return reason
+
+    async def run(self) -> GenerationResult:
+        start = time.perf_counter()
+        await asyncio.to_thread(self.drafter.begin, self.context, self.sampling)
+        try:
+            await self._loop()
+            if self.session is not None:
+                await self.session.close()
+        except BaseException:
+            if self.session is not None:
+                self.session.cancel()
+            raise
+        tail = self.decoder.flush()
+        if tail and self.on_text is not None:
+            self.on_text(tail, True)
+        self.result.text = "".join(self.pieces) + tail
+        self.result.elapsed_s = time.perf_counter() - start
+        return self.result
+
+    async def _loop(self) -> None:
+        r = self.result
+        while True:
+            if self.should_stop is not None and self.should_stop():
+                r.finish_reason = "stop"
+                return
+            if self.session is None:
+                wait = self.next_attempt - time.monotonic()
+                if wait > 0:
+                    if self.policy.fallback == "local":
+                        before = len(r.token_ids)
+                        reason = await asyncio.to_thread(self.local_round)
+                        if reason:
+                            r.finish_reason = reason
+                            return
+                        if len(r.token_ids) > before:
+                            continue
+                    await asyncio.sleep(wait)
+                    continue
+                try:
+                    await self.open()
+                except VerifyError as err:
+                    self.outage(err)
+                    continue
+            proposal = await asyncio.to_thread(self.drafter.propose, self.context, self.k) if self.k else Proposal([])
+            try:
+                verdict = await asyncio.wait_for(self.session.verify(r.rounds, proposal), self.policy.round_timeout_s)
+            except (VerifyError, asyncio.TimeoutError) as err:
+                if isinstance(err, asyncio.TimeoutError):
+                    err = VerifyError("DEADLINE_EXCEEDED", f"no verdict within {self.policy.round_timeout_s:g}s")
+                self.session.cancel()
+                self.session = None
+                self.outage(err)
+                self.next_attempt = time.monotonic()  # first try again at once: the server may be back already
+                continue
+            committed = proposal.token_ids[: verdict.n_accepted]
+            if verdict.next_token is not None:
+                committed = committed + [verdict.next_token]
+            r.rounds += 1
+            r.draft_tokens += len(proposal.token_ids)
+            r.accepted_tokens += verdict.n_accepted
+            self.commit(committed, verified=True)
+            if verdict.finished:
+                r.finish_reason = verdict.finish_reason
+                return
 
 
 async def generate(
@@ -66,50 +246,18 @@ async def generate(
     sampling: SamplingParams = SamplingParams(),
     draft_tokens: int = 4,
     stop_token_ids: list[int] = (),
-    on_text: Callable[[str], None] | None = None,
+    on_text: Callable[[str, bool], None] | None = None,
     client_id: str = "",
+    resilience: Resilience = Resilience(),
+    should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
+    """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
     if max_tokens <= 0:
         raise ValueError("max_tokens must be at least 1")
-    result = GenerationResult(prompt_token_ids=list(prompt_token_ids), drafter=getattr(drafter, "name", ""))
-    start = time.perf_counter()
-    open_msg = codec.open_message(list(prompt_token_ids), sampling, max_tokens, tokenizer.fingerprint,
-                                  stop_token_ids, client_id, client.auth_token or "")
-    session = await client.open(open_msg)
-    k = min(draft_tokens, session.opened.max_draft_tokens)
-    context = list(prompt_token_ids)
-    decoder = tokenizer.stream_decoder()
-    pieces: list[str] = []
-    try:
-        await asyncio.to_thread(drafter.begin, context, sampling)
-        while True:
-            proposal = await asyncio.to_thread(drafter.propose, context, k) if k > 0 else Proposal([])
-            verdict = await session.verify(result.rounds, proposal)
-            committed = proposal.token_ids[: verdict.n_accepted]
-            if verdict.next_token is not None:
-                committed = committed + [verdict.next_token]
-            context.extend(committed)
-            drafter.accept(context)
-            result.token_ids.extend(committed)
-            result.rounds += 1
-            result.draft_tokens += len(proposal.token_ids)
-            result.accepted_tokens += verdict.n_accepted
-            piece = decoder.feed(committed)
-            pieces.append(piece)
-            if on_text is not None and piece:
-                on_text(piece)
-            if verdict.finished:
-                result.finish_reason = verdict.finish_reason
-                break
-        await session.close()
-    except BaseException:
-        session.cancel()
-        raise
-    tail = decoder.flush()
-    if tail and on_text is not None:
-        on_text(tail)
-    result.text = "".join(pieces) + tail
-    result.elapsed_s = time.perf_counter() - start
-    return result
+    if draft_tokens < 0:
+        raise ValueError("draft_tokens must be >= 0")
+    run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
+                      stop_token_ids, on_text, client_id, resilience, should_stop)
+    return await run.run()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from sled.v1 import verify_pb2 as pb
@@ -40,8 +42,9 @@ class VerifierClient:
         except grpc.aio.AioRpcError as err:
             raise VerifyError.from_rpc(err) from None
 
-    async def open(self, open_msg: pb.ClientMessage, timeout: float = 60.0) -> "RemoteSession":
-        session = RemoteSession(self.stub.Session(wait_for_ready=True))
+    async def open(self, open_msg: pb.ClientMessage, timeout: float = 60.0,
+                   wait_for_ready: bool = True) -> "RemoteSession":
+        session = RemoteSession(self.stub.Session(wait_for_ready=wait_for_ready))
         await session.open(open_msg, timeout)
         return session
 
@@ -54,21 +57,24 @@ class RemoteSession:
         self.call = call
         self.opened: codec.Opened | None = None
 
+    async def _ended(self) -> VerifyError:
+        code = await self.call.code()
+        details = await self.call.details()
+        return VerifyError(code.name if code else "UNKNOWN", details or "the server ended the stream")
+
     async def _exchange(self, msg: pb.ClientMessage) -> pb.ServerMessage:
         try:
             await self.call.write(msg)
             reply = await self.call.read()
         except grpc.aio.AioRpcError as err:
             raise VerifyError.from_rpc(err) from None
+        except asyncio.InvalidStateError:  # the call had already ended (server gone, stream cancelled)
+            raise await self._ended() from None
         if reply is grpc.aio.EOF:
-            code = await self.call.code()
-            details = await self.call.details()
-            raise VerifyError(code.name if code else "UNKNOWN", details or "the server ended the stream")
+            raise await self._ended()
         return reply
 
     async def open(self, open_msg: pb.ClientMessage, timeout: float) -> codec.Opened:
-        import asyncio
-
         try:
             self.opened = codec.opened_from(await asyncio.wait_for(self._exchange(open_msg), timeout))
         except asyncio.TimeoutError:

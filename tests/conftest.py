@@ -68,6 +68,8 @@ class ServerThread:
         return self.server.engine
 
     def stop(self):
+        if not self.thread.is_alive():
+            return
         self.call(self.server.stop(grace=1))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
