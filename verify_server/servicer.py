@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 
@@ -38,6 +39,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, config):
         self.config = config
         self.engine = None  # set once the model is warm
+        self.recent_peers: collections.deque[str] = collections.deque(maxlen=256)  # one entry per Open
 
     def _engine(self):
         if self.engine is None:
@@ -71,6 +73,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     self._check_open(msg.open)
                     request = codec.open_from_pb(msg.open, engine.vocab_size)
                     session = await _ask(engine.open, request)
+                    self.recent_peers.append(context.peer())
                     yield codec.opened_to_pb(session, cfg.max_draft_tokens, engine.vocab_size, cfg.max_seq_len,
                                              engine.target.name)
                 elif kind == "draft":

@@ -1,0 +1,116 @@
+"""The device agent's core: one gRPC channel, a pool of drafters, one session per local request."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import EdgeConfig
+from .drafters import DrafterOptions, create_drafter
+from .generation import GenerationResult, Resilience, generate
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+from .transport import VerifierClient
+
+
+@dataclass
+class Completion:
+    result: GenerationResult
+    text: str  # cut at a stop string if one was hit
+    finish_reason: str
+
+
+class StopTexts:
+    """Holds back just enough text to cut at a stop string that arrives split across pieces."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        self.text += piece
+        for stop in self.stops:
+            at = self.text.find(stop)
+            if at >= 0:
+                self.hit = True
+                self.text = self.text[:at]
+                out, self.sent = self.text[self.sent:], len(self.text)
+                return out
+        upto = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+class Agent:
+    def __init__(self, config: EdgeConfig):
+        self.config = config
+        self.tokenizer = Tokenizer(config.tokenizer or config.draft_model)
+        self.client = VerifierClient(config.server, config.auth_token)
+        self.resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
+                                     round_timeout_s=config.round_timeout_s)
+        self._options = DrafterOptions(model_path=config.draft_model, onnx_model=config.onnx_model,
+                                       threads=config.threads, gpu_layers=config.gpu_layers,
+                                       context_size=config.context_size)
+        self._idle: asyncio.Queue = asyncio.Queue()
+        self._made = 0
+        self._slots = asyncio.Semaphore(config.max_concurrent)
+        self.active = 0
+        self.served = 0
+        create_drafter(config.drafter, self._options).close()  # fail at start, not at the first request
+
+    async def _drafter(self):
+        if self._idle.empty() and self._made < self.config.max_concurrent:
+            self._made += 1
+            return await asyncio.to_thread(create_drafter, self.config.drafter, self._options)
+        return await self._idle.get()
+
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, stops: list[str],
+                       on_text: Callable[[str, bool], None] | None = None) -> Completion:
+        if len(prompt_ids) + max_tokens > self.config.context_size:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"device context of {self.config.context_size} tokens")
+        stop = StopTexts(stops)
+
+        def piece(text: str, verified: bool) -> None:
+            out = stop.feed(text)
+            if out and on_text is not None:
+                on_text(out, verified)
+
+        async with self._slots:
+            drafter = await self._drafter()
+            self.active += 1
+            try:
+                result = await generate(self.client, drafter, self.tokenizer, prompt_ids, max_tokens=max_tokens,
+                                        sampling=sampling, draft_tokens=self.config.draft_tokens, on_text=piece,
+                                        client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
+                                        should_stop=lambda: stop.hit)
+            finally:
+                self.active -= 1
+                self.served += 1
+                self._idle.put_nowait(drafter)
+        tail = stop.flush()
+        if tail and on_text is not None:
+            on_text(tail, True)
+        return Completion(result, stop.text, "stop" if stop.hit else (result.finish_reason or "stop"))
+
+    async def server_reachable(self) -> bool:
+        try:
+            await asyncio.wait_for(self.client.info(timeout=2.0), 2.5)
+            return True
+        except Exception:  # noqa: BLE001 - health reports, never raises
+            return False
+
+    async def close(self) -> None:
+        await self.client.close()
+        while not self._idle.empty():
+            self._idle.get_nowait().close()

@@ -1,0 +1,86 @@
+"""Device agent configuration: a frozen dataclass that checks itself, loaded from YAML in one function."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .generation import FALLBACKS
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    server: str = "127.0.0.1:50051"  # verify server HOST:PORT
+    drafter: str = "llama-cpp"  # llama-cpp | onnx | cacheback | ngram | none
+    draft_model: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
+    onnx_model: str | None = None  # .onnx for the onnx drafter
+    tokenizer: str | None = None  # GGUF whose vocabulary tokenizes (default: draft_model)
+    draft_tokens: int = 4
+    threads: int | None = None  # llama.cpp / ONNX Runtime threads
+    gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
+    context_size: int = 4096  # drafter context
+    auth_token: str | None = None  # the verify server's bearer token
+    fallback: str = "wait"  # wait | local | fail while the server is unreachable
+    wait_deadline_s: float = 120.0
+    round_timeout_s: float = 30.0
+    http_host: str = "127.0.0.1"  # the local OpenAI-compatible API
+    http_port: int = 8080
+    max_concurrent: int = 4  # local requests generating at once (each its own session and drafter)
+    model_name: str = "sled"  # the id /v1/models reports
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        from .drafters import REGISTRY
+
+        if self.drafter not in REGISTRY:
+            raise ValueError(f"drafter must be one of {', '.join(sorted(REGISTRY))}, got {self.drafter!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        host, _, port = self.server.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"server must be HOST:PORT, got {self.server!r}")
+        for name in ("context_size", "max_concurrent", "default_max_tokens", "wait_deadline_s", "round_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.draft_tokens < 0 or self.gpu_layers < 0:
+            raise ValueError("draft_tokens and gpu_layers must be >= 0")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+        if self.drafter == "onnx" and not self.onnx_model:
+            raise ValueError("the onnx drafter needs onnx_model (a file made by scripts/export_onnx_draft.py)")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(EdgeConfig)}
+
+
+def load_edge_config(path: str | Path | None = None, **overrides: Any) -> EdgeConfig:
+    """Read YAML (if given; a top-level `device:` section is accepted), apply non-None overrides, check."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+        values.update(loaded["device"] if isinstance(loaded.get("device"), dict) else loaded)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown device settings {unknown}; known: {sorted(FIELDS)}")
+    for name, value in list(values.items()):
+        kind = FIELDS[name].type
+        if value is None:
+            continue
+        if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if kind.startswith("float"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            values[name] = float(value)
+        if kind.startswith("str") and not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+    return EdgeConfig(**values)

@@ -1,0 +1,114 @@
+"""The device agent daemon, used the way apps use LLM servers: through the official openai client."""
+
+import json
+import subprocess
+import threading
+import urllib.request
+
+import pytest
+from openai import BadRequestError, OpenAI
+
+from tests.conftest import PROMPTS
+from tests.integration.test_processes import BIN
+
+pytestmark = pytest.mark.model
+
+
+
+
+@pytest.fixture
+def agent(make_server, tmp_path):
+    server = make_server()
+    cfg = tmp_path / "device.yaml"
+    cfg.write_text(f"server: {server.address}\ndrafter: llama-cpp\ndraft_tokens: 4\ncontext_size: 1024\n"
+                   "max_concurrent: 4\nhttp_port: 0\nmodel_name: smollm2-sled\n")
+    proc = subprocess.Popen([BIN / "sled-edge", "serve", "--config", str(cfg), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    assert "SLED device agent on http://" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
+    base = line.split("on ", 1)[1].split(" ", 1)[0]
+    yield server, base, OpenAI(base_url=base, api_key="unused")
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+
+
+def want_text(tokenizer, reference_greedy, prompt_ids, n):
+    return tokenizer.decode(reference_greedy(tuple(prompt_ids), n))
+
+
+def test_completion_plain_and_streamed_equal_target_greedy(agent, tokenizer, reference_greedy):
+    server, _, client = agent
+    prompt = PROMPTS[6]
+    want = want_text(tokenizer, reference_greedy, tokenizer.encode(prompt), 40)
+    r = client.completions.create(model="smollm2-sled", prompt=prompt, max_tokens=40, temperature=0)
+    assert r.choices[0].text == want
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == len(reference_greedy(tuple(tokenizer.encode(prompt)), 40))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+    sled = r.model_extra["sled"]
+    assert sled["unverified_tokens"] == 0 and sled["accepted_tokens"] > 0
+    chunks = list(client.completions.create(model="smollm2-sled", prompt=prompt, max_tokens=40, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_chat_plain_and_streamed_use_the_chat_template(agent, tokenizer, reference_greedy):
+    _, _, client = agent
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.encode(tokenizer.chat_prompt(messages))
+    want = want_text(tokenizer, reference_greedy, ids, 48)
+    r = client.chat.completions.create(model="smollm2-sled", messages=messages, max_tokens=48, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    assert "Paris" in want and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model="smollm2-sled", messages=messages, max_tokens=48, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_models_health_and_stop_strings(agent):
+    _, base, client = agent
+    assert [m.id for m in client.models.list().data] == ["smollm2-sled"]
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as resp:
+        health = json.load(resp)
+    assert health["status"] == "ok" and health["server_reachable"] is True
+    r = client.completions.create(model="m", prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0, stop=["9"])
+    assert "9" not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text.strip().startswith("6")
+
+
+def test_bad_requests_get_clear_400s(agent):
+    _, _, client = agent
+    with pytest.raises(BadRequestError, match="'n' must be 1"):
+        client.completions.create(model="m", prompt="hi", n=2)
+    with pytest.raises(BadRequestError, match="temperature"):
+        client.completions.create(model="m", prompt="hi", temperature=-1)
+    with pytest.raises(BadRequestError, match="messages"):
+        client.chat.completions.create(model="m", messages=[])
+    with pytest.raises(BadRequestError, match="prompt"):
+        client.completions.create(model="m", prompt=[3.5])
+
+
+def test_concurrent_requests_share_one_channel_each_its_own_session(agent, tokenizer, reference_greedy):
+    server, _, client = agent
+    prompts = PROMPTS[:4]
+    results = {}
+    opened_before = server.engine.metrics.sessions_opened
+
+    def call(i):
+        results[i] = client.completions.create(model="m", prompt=prompts[i], max_tokens=24, temperature=0)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, p in enumerate(prompts):
+        assert results[i].choices[0].text == want_text(tokenizer, reference_greedy, tokenizer.encode(p), 24)
+    assert server.engine.metrics.sessions_opened - opened_before == 4
+    peers = list(server.server.servicer.recent_peers)[-4:]
+    assert len(set(peers)) == 1  # one gRPC connection carries them all
