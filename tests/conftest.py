@@ -139,3 +139,10 @@ def onnx_drafts(target, tmp_path_factory):
     fp32 = export(None, out / "l2.onnx", 2, False, log=lambda *_: None, target=target)
     int8 = export(None, out / "l6q.onnx", 6, True, log=lambda *_: None, target=target)
     return {"fp32": fp32, "int8": int8}
+
+
+@pytest.fixture(scope="session")
+def requantized_gguf(tmp_path_factory):
+    from scripts.requantize_gguf import requantize
+
+    return requantize(None, tmp_path_factory.mktemp("gguf") / "smollm2-q2k.gguf", "q2_k")
