@@ -73,11 +73,33 @@ def _add_serve(sub) -> None:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
 
 
+def _add_workload(sub) -> None:
+    p = sub.add_parser(
+        "workload",
+        help="run a device workload: N chat requests one after another, then a JSON summary",
+        description="What a simulated device does: draft and verify N chat requests in a row and report tokens/s, "
+                    "acceptance, reconnects and unverified tokens as JSON.",
+    )
+    p.add_argument("--config", metavar="FILE", help="device YAML (as for serve)")
+    p.add_argument("--server", metavar="HOST:PORT", help="verify server address (overrides the config)")
+    p.add_argument("--drafter", choices=sorted(REGISTRY), help="drafter (overrides the config)")
+    p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model")
+    p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model")
+    p.add_argument("--threads", type=int, help="drafter threads")
+    p.add_argument("--requests", type=int, default=4, help="requests to run (default 4)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    p.add_argument("--offset", type=int, default=0, help="first prompt of the built-in list (default 0)")
+    p.add_argument("--name", default="device", help="name in logs and the summary (default device)")
+    p.add_argument("--json", metavar="FILE", help="write the summary to FILE")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sled-edge", description="SLED device side: draft locally, verify on the server.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
+    _add_workload(sub)
     return parser
 
 
@@ -141,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "workload":
+        from .workload import main_workload
+
+        return main_workload(args)
     from .transport import VerifyError
 
     try:

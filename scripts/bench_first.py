@@ -60,6 +60,19 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
 
 
+def replace_section(md: Path, marker: str, section: str) -> None:
+    """Rewrite the section of `md` that starts with `marker` (or append it), leaving the others as they are."""
+    text = md.read_text() if md.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
+    if marker in text:
+        head, _, rest = text.partition(marker)
+        nxt = rest.find("\n## ")
+        text = head + section + (rest[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + section
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(text)
+
+
 async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int, max_tokens: int, k: int,
                        temperature: float) -> dict:
     client = VerifierClient(address)
@@ -161,17 +174,7 @@ def main() -> int:
         "- system tok/s = all generated tokens / wall time of the whole round; batch = verifications per server step\n\n"
         + table + "\n"
     )
-    md = Path(args.markdown)
-    text = md.read_text() if md.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
-    marker = "## First figures"
-    if marker in text:
-        head, _, rest = text.partition(marker)
-        nxt = rest.find("\n## ")
-        text = head + section + (rest[nxt + 1:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(text)
+    replace_section(Path(args.markdown), "## First figures", section)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     print(f"[bench] wrote {md}")

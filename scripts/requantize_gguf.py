@@ -18,7 +18,7 @@ import llama_cpp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edge_client.models import resolve_model_path  # noqa: E402
+from edge_client.models import quiet_native_stderr, resolve_model_path  # noqa: E402
 
 TYPES = {"q2_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, "q3_k_s": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_S,
          "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
@@ -33,7 +33,8 @@ def requantize(source: str | Path | None, output: Path, kind: str = "q2_k", thre
     params.ftype = TYPES[kind]
     params.allow_requantize = True
     params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(output).encode(), params)
+    with quiet_native_stderr():  # llama.cpp logs every tensor
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(output).encode(), params)
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize returned {rc}")
     return output

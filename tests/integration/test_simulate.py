@@ -1,0 +1,36 @@
+"""`make simulate` runs docker-compose.yml itself, so the compose file cannot drift from what runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.model
+
+
+def test_compose_services_run_as_local_processes(tmp_path):
+    out = tmp_path / "devices.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--timeout", "600", "--json", str(out)],
+                          capture_output=True, text=True, timeout=700)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    devices = {n for n, s in compose.items() if "workload" in s["command"]}
+    summaries = json.loads(out.read_text())
+    assert {s["device"] for s in summaries} == {compose[n]["command"][compose[n]["command"].index("--name") + 1]
+                                                 for n in devices}
+    for s in summaries:
+        assert s["requests"] == 3 and s["tokens"] > 0 and s["unverified_tokens"] == 0
+    assert "all services stopped" in done.stdout
+
+
+def test_every_device_service_has_limits_and_a_shipped_config():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name, svc in compose.items():
+        assert svc["deploy"]["resources"]["limits"]["cpus"] and svc["deploy"]["resources"]["limits"]["memory"]
+        args = svc["command"]
+        cfg = args[args.index("--config") + 1]
+        assert (ROOT / "configs" / Path(cfg).name).is_file(), name
