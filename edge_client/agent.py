@@ -92,6 +92,8 @@ class Agent:
             try:
                 result = await generate(self.client, drafter, self.tokenizer, prompt_ids, max_tokens=max_tokens,
                                         sampling=sampling, draft_tokens=self.config.draft_tokens, on_text=piece,
+                                        adaptive=self.config.adaptive_draft,
+                                        max_draft_tokens=self.config.max_draft_tokens,
                                         client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
                                         should_stop=lambda: stop.hit)
             finally:

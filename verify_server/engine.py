@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
@@ -22,7 +23,7 @@ from .kv_cache import KVCache
 from .metrics import Metrics
 from .model_loader import Target
 from .model_runner import ModelInput, ModelRunner
-from .scheduler import Plan, PrefillWork, Scheduler, VerifyWork
+from .scheduler import Plan, Scheduler, VerifyWork
 from .sessions import LENGTH, DraftRequest, OpenRequest, Session, Verdict, commit_tokens
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class Engine:
             "prefill_tokens": m.prefill_tokens,
             "step_seconds_total": m.step_seconds_total,
             "queue_wait_seconds_total": m.queue_wait_seconds_total,
+            "forward_seconds_total": m.forward_seconds_total,
+            "sessions_opened": m.sessions_opened,
         }
 
     # ---- lifecycle ----
@@ -248,7 +251,9 @@ class Engine:
         drafts = [self._clip(w) for w in plan.verifies]
         try:
             inp = self._model_input(plan, drafts)
+            t_fwd = time.monotonic()
             logits = self.runner.forward(inp) if inp.token_ids.numel() else None
+            forward = time.monotonic() - t_fwd
             verdicts = self._verify(plan.verifies, drafts, logits)
         except Exception as exc:  # noqa: BLE001
             log.exception("step failed")
@@ -257,10 +262,13 @@ class Engine:
             return
         for p in plan.prefills:
             p.session.kv_len += p.length
+        step = time.monotonic() - t0
+        load = {"step_ms": step * 1000.0, "step_tokens": int(inp.token_ids.numel()),
+                "step_sessions": len(plan.verifies)}
         for work, verdict in zip(plan.verifies, verdicts):
-            work.reply(verdict)
-        self.metrics.record_step(len(plan.verifies), sum(p.length for p in plan.prefills),
-                                 time.monotonic() - t0, [t0 - w.enqueued for w in plan.verifies])
+            work.reply(dataclasses.replace(verdict, **load) if isinstance(verdict, Verdict) else verdict)
+        self.metrics.record_step(len(plan.verifies), sum(p.length for p in plan.prefills), step,
+                                 [t0 - w.enqueued for w in plan.verifies], forward)
 
     def _clip(self, work: VerifyWork) -> list[int]:
         """Draft tokens worth verifying: what fits in the context and in max_tokens."""

@@ -23,6 +23,7 @@ class Metrics:
     sessions_refused: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     step_seconds_total: float = 0.0
+    forward_seconds_total: float = 0.0
     queue_wait_seconds_total: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -43,9 +44,11 @@ class Metrics:
         self._p_wait = Histogram("sled_queue_wait_seconds", "time a draft waited for its step", registry=r)
         self.active_sessions = Gauge("sled_active_sessions", "sessions holding a KV slot", registry=r)
 
-    def record_step(self, sessions: int, prefill_tokens: int, seconds: float, waits: list[float]) -> None:
+    def record_step(self, sessions: int, prefill_tokens: int, seconds: float, waits: list[float],
+                    forward_seconds: float = 0.0) -> None:
         with self._lock:
             self.steps += 1
+            self.forward_seconds_total += forward_seconds
             self.max_step_sessions = max(self.max_step_sessions, sessions)
             self.prefill_tokens += prefill_tokens
             self.step_seconds_total += seconds

@@ -47,6 +47,9 @@ class Verdict:
     next_token: int | None
     finished: bool
     finish_reason: str | None
+    step_ms: float = 0.0
+    step_tokens: int = 0
+    step_sessions: int = 0
 
 
 @dataclass

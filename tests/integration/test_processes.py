@@ -1,7 +1,6 @@
 """Real processes: a sled-server and sled-edge devices talking over loopback."""
 
 import json
-import os
 import signal
 import socket
 import subprocess

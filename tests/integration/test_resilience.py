@@ -1,6 +1,5 @@
 """Nothing lost: the device reconnects and reopens with its full history; fallback policies when it cannot."""
 
-import asyncio
 import json
 import os
 import signal
@@ -11,7 +10,8 @@ import time
 import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
-from edge_client.generation import Resilience, generate
+from edge_client.generation import Resilience, _Generation
+from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
 from tests.integration.test_processes import BIN, free_port
@@ -40,26 +40,29 @@ def test_server_killed_mid_generation_then_restarted_gives_the_uninterrupted_tex
     port = free_port()
     log = tmp_path / "server.log"
     first = start_server(port, log)
+    second = None
     stats_file = tmp_path / "stats.json"
     edge = subprocess.Popen([BIN / "sled-edge", "generate", LONG, "--server", f"127.0.0.1:{port}", "--drafter", "none",
                              "--max-tokens", "100", "--stats-json", str(stats_file), "--wait-deadline", "180"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    os.set_blocking(edge.stdout.fileno(), False)
-    seen = b""
-    deadline = time.time() + 60
-    while len(seen) < 40:  # some text is out: the generation is under way
-        assert time.time() < deadline and edge.poll() is None
-        seen += edge.stdout.read() or b""
-        time.sleep(0.05)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    second = start_server(port, log)
     try:
+        os.set_blocking(edge.stdout.fileno(), False)
+        seen = b""
+        deadline = time.time() + 60
+        while len(seen) < 40:  # some text is out: the generation is under way
+            assert time.time() < deadline and edge.poll() is None
+            seen += edge.stdout.read() or b""
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = start_server(port, log)
+        os.set_blocking(edge.stdout.fileno(), True)
         out, err = edge.communicate(timeout=240)
-        os.set_blocking(edge.stdout.fileno(), True) if not edge.stdout.closed else None
     finally:
-        second.terminate()
-        second.wait(timeout=30)
+        for proc in (first, second, edge):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert edge.returncode == 0, err
     stats = json.loads(stats_file.read_text())
     assert stats["reconnects"] >= 1 and stats["unverified_tokens"] == 0
@@ -93,11 +96,9 @@ def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max
         return holder.get("gen").result.token_ids if "gen" in holder else []
 
     async def go():
-        from edge_client.generation import _Generation
-
         client = VerifierClient(server.address)
-        gen = _Generation(client, drafter, tokenizer, prompt, max_tokens, __import__("edge_client").sampling.SamplingParams(),
-                          3, (), on_text, "test", resilience, None)
+        gen = _Generation(client, drafter, tokenizer, prompt, max_tokens, SamplingParams(), 3, (), on_text, "test",
+                          resilience, None)
         holder["gen"] = gen
         try:
             return await gen.run()

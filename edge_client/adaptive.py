@@ -1,0 +1,57 @@
+"""Adaptive draft length: each round, the K that maximizes expected committed tokens per second.
+
+In the spirit of DSD's adaptive window control. With per-token acceptance alpha (estimated over the
+recent rounds), a round with k drafted tokens commits (1 - alpha^(k+1)) / (1 - alpha) tokens on
+average and takes k * t_draft + rtt_fixed + c * (k + 1), where t_draft is this device's measured
+drafting time per token, c the server's cost per verified token under its current load (its step
+time / step tokens, reported in every Verdict) and rtt_fixed the rest of the round trip (network,
+queueing). Low acceptance, slow drafting or a loaded server shorten the draft; the opposite lengthens it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundSample:
+    drafted: int
+    accepted: int
+    draft_s: float  # time spent drafting this round
+    rtt_s: float  # Draft sent -> Verdict received
+    server_token_s: float  # server step time / step tokens
+
+
+class AdaptiveDraftLength:
+    def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, window: int = 16):
+        if not 1 <= k_min <= k_max:
+            raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
+        self.k_max, self.k_min = k_max, k_min
+        self.k = min(max(k_initial, k_min), k_max)
+        self.samples: deque[RoundSample] = deque(maxlen=window)
+
+    def observe(self, sample: RoundSample) -> None:
+        if sample.drafted > 0:
+            self.samples.append(sample)
+            self.k = self.choose()
+
+    def acceptance(self) -> float:
+        accepted = sum(s.accepted for s in self.samples)
+        rejected = sum(1 for s in self.samples if s.accepted < s.drafted)
+        return min(max((accepted + 0.5) / (accepted + rejected + 1.0), 0.01), 0.995)
+
+    def choose(self) -> int:
+        if len(self.samples) < 2:
+            return self.k
+        alpha = self.acceptance()
+        drafted = sum(s.drafted for s in self.samples)
+        t_draft = sum(s.draft_s for s in self.samples) / drafted
+        c = sum(s.server_token_s for s in self.samples) / len(self.samples)
+        fixed = max(0.0, sum(s.rtt_s - c * (s.drafted + 1) for s in self.samples) / len(self.samples))
+
+        def goodput(k: int) -> float:
+            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+            return tokens / (k * t_draft + fixed + c * (k + 1))
+
+        return max(range(self.k_min, self.k_max + 1), key=goodput)

@@ -1,0 +1,338 @@
+"""System benchmark: SLED vs server-only vs device-only across device counts, capacity under an SLO.
+
+    python scripts/bench_system.py --devices 1,4,16,32 --slo-ms 150 --json runs/bench_system.json
+
+1. Record: real devices (llama.cpp Q4_1, K fixed) generate greedily once; every round's draft and the
+   drafting time per token on this machine are recorded.
+2. Replay: devices replay the recorded drafts (identical contexts, since greedy output is fixed),
+   sleeping for the drafting time instead of computing, so the server's capacity is measured apart
+   from drafting: on one 2-core machine, drafters and server would otherwise share the cores.
+   Modes: `sled` (replayed drafts), `server-only` (the same server decodes every token, batched),
+   `device-only` (the drafter alone, unverified: each device is its own hardware, so N devices give
+   N times one device's measured rate).
+3. Adaptive draft length vs fixed K = 2, 4, 8 with real llama.cpp drafters (--adaptive-devices).
+4. Engine speed: decode step at batch 1 against the memory-bandwidth limit, and non-model time per step.
+
+Inter-token latency: a round that commits n tokens in t seconds gives each of them t / n.
+Writes JSON rows, PNG plots (--out-dir) and its section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
+from edge_client.drafters.base import Proposal  # noqa: E402
+from edge_client.generation import generate  # noqa: E402
+from edge_client.tokenizer import Tokenizer  # noqa: E402
+from edge_client.transport import VerifierClient  # noqa: E402
+from edge_client.workload import QUESTIONS  # noqa: E402
+from scripts.bench_first import free_port, machine, replace_section  # noqa: E402
+
+
+class ReplayDrafter:
+    """Proposes what a real drafter proposed at the same context length, after its measured drafting time."""
+
+    name = "replay"
+
+    def __init__(self, rounds: dict[int, list[int]], seconds_per_token: float):
+        self.rounds, self.spt = rounds, seconds_per_token
+
+    def begin(self, context, sampling):
+        pass
+
+    def propose(self, context, k):
+        tokens = self.rounds.get(len(context), [])[:k]
+        time.sleep(self.spt * len(tokens))
+        return Proposal(list(tokens))
+
+    def accept(self, context):
+        pass
+
+    def close(self):
+        pass
+
+
+class Recorder:
+    """Wraps a drafter and records each proposal by context length, and the time it took."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.rounds: dict[int, list[int]] = {}
+        self.seconds = 0.0
+        self.tokens = 0
+
+    def begin(self, context, sampling):
+        self.inner.begin(context, sampling)
+
+    def propose(self, context, k):
+        t0 = time.perf_counter()
+        p = self.inner.propose(context, k)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += len(p.token_ids)
+        self.rounds[len(context)] = list(p.token_ids)
+        return p
+
+    def accept(self, context):
+        self.inner.accept(context)
+
+    def close(self):
+        self.inner.close()
+
+
+def prompts(tokenizer, n):
+    return [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
+            for i in range(n)]
+
+
+async def run_devices(address, tokenizer, drafters, prompt_ids, max_tokens, k, adaptive=False):
+    client = VerifierClient(address)
+    before = (await client.info()).stats
+    t0 = time.perf_counter()
+    try:
+        results = await asyncio.gather(*[
+            generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=adaptive)
+            for d, p in zip(drafters, prompt_ids)])
+    finally:
+        wall = time.perf_counter() - t0
+        after = (await client.info()).stats
+        await client.close()
+    return results, wall, before, after
+
+
+def summarize(mode, n, results, wall, before, after):
+    itl = np.concatenate([np.repeat(np.array(r.round_times) / np.maximum(r.round_tokens, 1), r.round_tokens)
+                          for r in results])
+    tokens = sum(len(r.token_ids) for r in results)
+    drafted = sum(r.draft_tokens for r in results)
+    steps = after.steps - before.steps
+    return {
+        "mode": mode, "devices": n, "system_tokens_per_s": tokens / wall,
+        "per_device_tokens_per_s": float(np.mean([r.tokens_per_second for r in results])),
+        "p50_inter_token_ms": float(np.percentile(itl, 50) * 1000), "p95_inter_token_ms": float(np.percentile(itl, 95) * 1000),
+        "acceptance_rate": sum(r.accepted_tokens for r in results) / drafted if drafted else 0.0,
+        "mean_draft_tokens": drafted / max(sum(r.rounds for r in results), 1),
+        "server_step_ms": (after.step_seconds_total - before.step_seconds_total) / steps * 1000 if steps else 0.0,
+        "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
+        "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
+    }
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    x = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB
+    x.fill_(1.0)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        times.append(time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / min(times)  # bytes read + written per second
+
+
+def weight_bytes() -> int:
+    import gguf
+
+    from edge_client.models import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    return 4 * sum(int(np.prod(t.shape)) for t in reader.tensors)  # float32 on the server
+
+
+def plot(rows, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, label in (("system_tokens_per_s", "system tokens/s"), ("p95_inter_token_ms", "p95 inter-token latency (ms)")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode in ("sled", "server-only", "device-only"):
+            pts = sorted((r["devices"], r[key]) for r in rows if r["mode"] == mode)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_xlabel("devices")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = out_dir / f"bench_system_{key}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> int:
+    from tqdm import tqdm
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="1,4,16,32", help="device counts (default 1,4,16,32)")
+    ap.add_argument("--slo-ms", type=float, default=150.0, help="p95 inter-token latency bound for capacity (default 150)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per device (default 64)")
+    ap.add_argument("--draft-tokens", type=int, default=4, help="recorded drafts' K (default 4)")
+    ap.add_argument("--recordings", type=int, default=8, help="distinct recorded prompts, reused round-robin (default 8)")
+    ap.add_argument("--device-ms-per-token", type=float,
+                    help="drafting time per token on a device (default: measured here for llama.cpp Q4_1, 1 thread)")
+    ap.add_argument("--adaptive-devices", default="1,4", help="device counts for adaptive vs fixed K (default 1,4; '' skips)")
+    ap.add_argument("--json", metavar="FILE", help="write all rows as JSON")
+    ap.add_argument("--out-dir", default=str(ROOT / "runs" / "bench_system"), help="where PNG plots go")
+    ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.devices.split(",")]
+    adaptive_counts = [int(x) for x in args.adaptive_devices.split(",") if x]
+    top = max(counts + adaptive_counts)
+
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="sled-system-")) / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([Path(sys.executable).parent / "sled-server", "--port", str(port),
+                                   "--max-sessions", str(top + 2), "--max-seq-len", "512",
+                                   "--max-batch-sessions", str(top), "--max-batch-tokens", str(max(512, top * 10)),
+                                   "--max-wait-ms", "3"], stdout=out, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    rows, adaptive_rows = [], []
+    try:
+        t0 = time.time()
+        while "ready on" not in log.read_text():
+            if server.poll() is not None or time.time() - t0 > 300:
+                print(log.read_text(), file=sys.stderr)
+                return 1
+            time.sleep(1)
+        tokenizer = Tokenizer()
+        ids = prompts(tokenizer, args.recordings)
+        print(f"[bench] recording {args.recordings} real llama.cpp generations ...", flush=True)
+        recorders = [Recorder(create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1)))
+                     for _ in ids]
+        asyncio.run(run_devices(address, tokenizer, recorders, ids, args.max_tokens, args.draft_tokens))
+        for r in recorders:
+            r.close()
+        measured_spt = sum(r.seconds for r in recorders) / max(sum(r.tokens for r in recorders), 1)
+        # Device-only: one drafter alone, generating unverified, on this machine.
+        alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
+        context = list(ids[0])
+        alone.begin(context, __import__("edge_client.sampling", fromlist=["SamplingParams"]).SamplingParams())
+        t1 = time.perf_counter()
+        for _ in range(args.max_tokens):
+            context += alone.propose(context, 1).token_ids
+        device_spt = (time.perf_counter() - t1) / args.max_tokens
+        alone.close()
+        spt = args.device_ms_per_token / 1000 if args.device_ms_per_token else measured_spt
+        print(f"[bench] drafting {measured_spt * 1000:.1f} ms/token in rounds, {device_spt * 1000:.1f} ms/token alone; "
+              f"replay uses {spt * 1000:.1f} ms/token", flush=True)
+
+        plan = [(n, m) for n in counts for m in ("sled", "server-only")]
+        for n, mode in tqdm(plan, desc="system", unit="config"):
+            if mode == "sled":
+                drafters = [ReplayDrafter(recorders[i % len(recorders)].rounds, spt) for i in range(n)]
+            else:
+                drafters = [create_drafter("none") for _ in range(n)]
+            res = asyncio.run(run_devices(address, tokenizer, drafters, [ids[i % len(ids)] for i in range(n)],
+                                          args.max_tokens, args.draft_tokens if mode == "sled" else 0))
+            rows.append(summarize(mode, n, *res))
+        for n in counts:
+            rows.append({"mode": "device-only", "devices": n, "system_tokens_per_s": n / device_spt,
+                         "per_device_tokens_per_s": 1 / device_spt, "p50_inter_token_ms": device_spt * 1000,
+                         "p95_inter_token_ms": device_spt * 1000, "acceptance_rate": 0.0, "mean_draft_tokens": 0.0,
+                         "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0})
+
+        plan = [(n, k) for n in adaptive_counts for k in (2, 4, 8, "adaptive")]
+        for n, k in tqdm(plan, desc="draft length", unit="config"):
+            drafters = [create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1)) for _ in range(n)]
+            res = asyncio.run(run_devices(address, tokenizer, drafters, [ids[i % len(ids)] for i in range(n)],
+                                          args.max_tokens, 4 if k == "adaptive" else k, adaptive=k == "adaptive"))
+            for d in drafters:
+                d.close()
+            row = summarize("sled", n, *res)
+            row["k"] = str(k)
+            adaptive_rows.append(row)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    bw = copy_bandwidth()
+    wbytes = weight_bytes()
+    limit_ms = wbytes / bw * 1000
+    one = next(r for r in rows if r["mode"] == "server-only" and r["devices"] == min(counts))
+    sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
+    by = {(r["mode"], r["devices"]): r for r in rows}
+
+    lines = ["| devices | mode | system tok/s | per-device tok/s | ITL p50 ms | ITL p95 ms | acceptance | "
+             "server step ms | batch | SLED / server-only |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in counts:
+        for mode in ("sled", "server-only", "device-only"):
+            r = by[(mode, n)]
+            ratio = (f"{r['system_tokens_per_s'] / by[('server-only', n)]['system_tokens_per_s']:.2f}x"
+                     if mode == "sled" else "")
+            lines.append(f"| {n} | {mode} | {r['system_tokens_per_s']:.1f} | {r['per_device_tokens_per_s']:.1f} | "
+                         f"{r['p50_inter_token_ms']:.1f} | {r['p95_inter_token_ms']:.1f} | {r['acceptance_rate']:.2f} | "
+                         f"{r['server_step_ms']:.1f} | {r['server_batch_sessions']:.1f} | {ratio} |")
+    capacity = {}
+    for mode in ("sled", "server-only", "device-only"):
+        ok = [n for n in counts if by[(mode, n)]["p95_inter_token_ms"] <= args.slo_ms]
+        capacity[mode] = max(ok) if ok else 0
+    alines = ["| devices | K | system tok/s | mean K | acceptance | ITL p95 ms |", "|---:|---|---:|---:|---:|---:|"]
+    for r in adaptive_rows:
+        alines.append(f"| {r['devices']} | {r['k']} | {r['system_tokens_per_s']:.1f} | {r['mean_draft_tokens']:.2f} | "
+                      f"{r['acceptance_rate']:.2f} | {r['p95_inter_token_ms']:.1f} |")
+    verdicts = []
+    for n in adaptive_counts:
+        fixed = [r for r in adaptive_rows if r["devices"] == n and r["k"] != "adaptive"]
+        best = max(fixed, key=lambda r: r["system_tokens_per_s"])
+        ad = next(r for r in adaptive_rows if r["devices"] == n and r["k"] == "adaptive")
+        verdicts.append(f"{n} devices: adaptive {ad['system_tokens_per_s']:.1f} tok/s vs best fixed K={best['k']} "
+                        f"{best['system_tokens_per_s']:.1f} ({ad['system_tokens_per_s'] / best['system_tokens_per_s']:.2f}x)")
+    overhead = ""
+    if sixteen:
+        s = sixteen[0]
+        overhead = (f"- non-model time per step at 16 sessions (scheduling, sampling, commit; step − forward): "
+                    f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
+                    f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
+    section = (
+        "## System benchmark: SLED vs server-only vs device-only\n\n"
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
+        f"- machine: {machine()} (no GPU)\n"
+        f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
+        f"- target: SmolLM2-135M-Instruct float32 on CPU; drafts recorded from llama.cpp Q4_1 (K = {args.draft_tokens}) "
+        f"and replayed at {spt * 1000:.1f} ms/token of drafting per device; {args.max_tokens} greedy tokens per device\n"
+        f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
+        + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
+        "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n\n"
+        + "\n".join(lines) + "\n\n"
+        "### Engine speed\n\n"
+        f"- decode step at batch 1 (server-only, 1 device): forward {one['server_forward_ms']:.1f} ms, whole step "
+        f"{one['server_step_ms']:.1f} ms; memory-bandwidth limit {limit_ms:.1f} ms ({wbytes / 2**20:.0f} MiB of float32 "
+        f"weights at {bw / 1e9:.1f} GB/s measured copy bandwidth): {one['server_forward_ms'] / limit_ms:.2f}x the limit\n"
+        + overhead + "\n"
+        "### Adaptive draft length vs fixed K (real llama.cpp drafters on this machine)\n\n"
+        + "\n".join(alines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
+    )
+    replace_section(Path(args.markdown), "## System benchmark", section)
+    paths = plot(rows, Path(args.out_dir))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows + adaptive_rows, indent=2))
+    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines))
+    print(f"[bench] capacity: {capacity}; plots: {[str(p) for p in paths]}; wrote {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
