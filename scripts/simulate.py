@@ -6,6 +6,12 @@ published port to a free local one. `depends_on: service_healthy` waits for the 
 (SERVING). Devices run their workload and print a JSON summary; this prints a table of them.
 CPU and memory limits (`deploy.resources.limits`) are honoured by Docker only; here they are shown.
 Bounded in time (--timeout); everything started is stopped on exit, also on Ctrl-C.
+
+Network realism: `--link delay_ms=20,jitter_ms=5,rate_mbit=50` gives each device its own emulated
+link to the server (a user-space relay: delay and jitter each way, bandwidth cap). With `--netns`
+(root), each device also runs in its own network namespace, joined to this one by a veth pair, and
+reaches the server only through its link; `tc netem` shapes the veth when the kernel has it, else
+the relay does. Only namespaces and links this run created are touched, and all are removed on exit.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import time
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from linkemu import LinkEmulator, LinkSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -65,18 +74,20 @@ class Plan:
                 src, dst = str(vol).split(":")[:2]
                 self.mounts.append((dst, (ROOT / src).resolve()))
 
-    def rewrite(self, name: str, arg: str) -> str:
+    def rewrite(self, name: str, arg: str, via: dict | None = None) -> str:
         for dst, src in self.mounts:
             if arg == dst or arg.startswith(dst + "/"):
                 return str(src) + arg[len(dst):]
         host, _, port = arg.rpartition(":")
         if host in self.services and port.isdigit():
+            if via and host in via:
+                return via[host]  # through this device's emulated link
             return f"127.0.0.1:{self.ports[(host, int(port))]}"
         if arg == "0.0.0.0":
             return "127.0.0.1"  # loopback only
         return arg
 
-    def command(self, name: str) -> list[str]:
+    def command(self, name: str, via: dict | None = None) -> list[str]:
         args = list(self.services[name]["command"])
         exe = BIN / args[0]
         out = [str(exe) if exe.exists() else args[0]]
@@ -87,7 +98,7 @@ class Plan:
                 out += [arg, str(self.ports[(name, int(args[i + 1]))])]
                 i += 2
                 continue
-            out.append(self.rewrite(name, arg))
+            out.append(self.rewrite(name, arg, via))
             i += 1
         return out
 
@@ -108,6 +119,49 @@ def healthy(port: int) -> bool:
         return False
 
 
+class Namespaces:
+    """Per-device network namespaces joined to this one by veth pairs; removed on exit."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.created: list[str] = []
+        self.netem = None
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    def add(self, index: int, spec: LinkSpec) -> tuple[str, str, str]:
+        """Returns (namespace, host-side address, device-side address)."""
+        ns = f"sled-{self.tag}-{index}"
+        host_if, dev_if = f"sh{self.tag}{index}"[:15], f"sd{self.tag}{index}"[:15]
+        host_ip, dev_ip = f"10.77.{index}.1", f"10.77.{index}.2"
+        self._ip("netns", "add", ns)
+        self.created.append(ns)
+        self._ip("link", "add", host_if, "type", "veth", "peer", "name", dev_if)
+        self._ip("link", "set", dev_if, "netns", ns)
+        self._ip("addr", "add", f"{host_ip}/30", "dev", host_if)
+        self._ip("link", "set", host_if, "up")
+        self._ip("netns", "exec", ns, "ip", "addr", "add", f"{dev_ip}/30", "dev", dev_if)
+        self._ip("netns", "exec", ns, "ip", "link", "set", dev_if, "up")
+        self._ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        netem = ["netem", "delay", f"{spec.delay_ms}ms", f"{spec.jitter_ms}ms"]
+        if spec.rate_mbit:
+            netem += ["rate", f"{spec.rate_mbit}mbit"]
+        if spec.delay_ms or spec.jitter_ms or spec.rate_mbit:
+            done = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev_if, "root", *netem],
+                                  capture_output=True, text=True)
+            ok = done.returncode == 0 and subprocess.run(["tc", "qdisc", "add", "dev", host_if, "root", *netem],
+                                                         capture_output=True, text=True).returncode == 0
+            self.netem = ok if self.netem is None else (self.netem and ok)
+        return ns, host_ip, dev_ip
+
+    def remove(self) -> None:
+        for ns in self.created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # its veth pair goes with it
+        self.created.clear()
+
+
 def pump(name: str, proc: subprocess.Popen, lines: list[str]) -> None:
     for line in proc.stdout:
         lines.append(line.rstrip("\n"))
@@ -119,7 +173,17 @@ def main() -> int:
     ap.add_argument("--compose", default=str(ROOT / "docker-compose.yml"), help="compose file (default docker-compose.yml)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before everything is stopped (default 900)")
     ap.add_argument("--json", metavar="FILE", help="write the device summaries as JSON")
+    ap.add_argument("--link", metavar="SPEC", help="emulated link per device, e.g. delay_ms=20,jitter_ms=5,rate_mbit=50")
+    ap.add_argument("--netns", action="store_true", help="run each device in its own network namespace (root)")
     args = ap.parse_args()
+    try:
+        spec = LinkSpec.parse(args.link) if args.link else None
+    except ValueError as err:
+        print(f"simulate: {err}", file=sys.stderr)
+        return 2
+    if args.netns and os.geteuid() != 0:
+        print("simulate: --netns needs root (network namespaces and veth pairs)", file=sys.stderr)
+        return 2
     try:
         services = load_compose(Path(args.compose))
     except (OSError, ValueError) as err:
@@ -129,10 +193,37 @@ def main() -> int:
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, list[str]] = {}
     deadline = time.monotonic() + args.timeout
+    links: list[LinkEmulator] = []
+    namespaces = Namespaces(str(os.getpid() % 10000))
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+    def route(name: str) -> tuple[dict | None, list[str]]:
+        """For a device: the addresses of its upstream services through its link, and a command prefix."""
+        deps = [d for d in (services[name].get("depends_on") or {}) if plan.grpc_port(d)]
+        if not deps or not (spec or args.netns):
+            return None, []
+        index = len(links) + 1
+        prefix, listen_host = [], "127.0.0.1"
+        relay_spec = spec or LinkSpec()
+        if args.netns:
+            ns, host_ip, _ = namespaces.add(index, relay_spec)
+            prefix, listen_host = ["ip", "netns", "exec", ns], host_ip
+            if namespaces.netem:
+                relay_spec = LinkSpec()  # the kernel shapes the veth; the relay only forwards
+        via = {}
+        for dep in deps:
+            link = LinkEmulator(relay_spec, "127.0.0.1", plan.grpc_port(dep), listen_host, seed=index)
+            links.append(link)
+            via[dep] = f"{listen_host}:{link.port}"
+        print(f"[simulate] {name}: link {relay_spec if relay_spec != LinkSpec() else spec} via {via}"
+              + (f" in namespace {prefix[-1]} (netem {'on' if namespaces.netem else 'unavailable: user-space relay'})"
+                 if prefix else ""), flush=True)
+        return via, prefix
 
     def start(name: str) -> None:
         limits = (services[name].get("deploy") or {}).get("resources", {}).get("limits", {})
-        cmd = plan.command(name)
+        via, prefix = route(name)
+        cmd = prefix + plan.command(name, via)
         print(f"[simulate] {name}: {' '.join(Path(c).name if c.startswith(str(BIN)) else c for c in cmd)}"
               + (f"  (limits in Docker: {limits})" if limits else ""), flush=True)
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -188,6 +279,8 @@ def main() -> int:
                 failed.append(name)
             else:
                 summaries.append(summary)
+        if links:
+            print(f"[simulate] emulated links carried {sum(l.bytes for l in links) / 1e6:.2f} MB", flush=True)
         print("\n| device | drafter | requests | tokens | tok/s | acceptance | reconnects | unverified |")
         print("|---|---|---:|---:|---:|---:|---:|---:|")
         for s in summaries:
@@ -204,7 +297,10 @@ def main() -> int:
         return 1
     finally:
         stop_all()
-        print("[simulate] all services stopped", flush=True)
+        for link in links:
+            link.close()
+        namespaces.remove()
+        print("[simulate] all services stopped" + (", namespaces removed" if args.netns else ""), flush=True)
 
 
 if __name__ == "__main__":

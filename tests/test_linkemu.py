@@ -1,0 +1,78 @@
+"""The simulation's emulated link: delay each way, order kept under jitter, bandwidth capped."""
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from linkemu import LinkEmulator, LinkSpec  # noqa: E402
+
+
+@pytest.fixture
+def echo_port():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(65536), b"")],
+                             daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield srv.getsockname()[1]
+    srv.close()
+
+
+def roundtrip(port, payload: bytes) -> tuple[bytes, float]:
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        t0 = time.perf_counter()
+        c.sendall(payload)
+        got = b""
+        while len(got) < len(payload):
+            got += c.recv(65536)
+        return got, time.perf_counter() - t0
+
+
+def test_delay_applies_each_way(echo_port):
+    link = LinkEmulator(LinkSpec(delay_ms=40), "127.0.0.1", echo_port)
+    _, direct = roundtrip(echo_port, b"x")
+    got, rtt = roundtrip(link.port, b"ping")
+    link.close()
+    assert got == b"ping" and rtt >= 0.08 > direct
+
+
+def test_jitter_never_reorders(echo_port):
+    link = LinkEmulator(LinkSpec(delay_ms=5, jitter_ms=5), "127.0.0.1", echo_port)
+    with socket.create_connection(("127.0.0.1", link.port)) as c:
+        sent = b"".join(i.to_bytes(4, "big") for i in range(2000))
+        for i in range(0, len(sent), 100):
+            c.sendall(sent[i:i + 100])
+        got = b""
+        while len(got) < len(sent):
+            got += c.recv(65536)
+    link.close()
+    assert got == sent
+
+
+def test_rate_caps_bandwidth(echo_port):
+    link = LinkEmulator(LinkSpec(rate_mbit=8), "127.0.0.1", echo_port)  # 1 MB/s each way
+    _, seconds = roundtrip(link.port, b"y" * 500_000)
+    link.close()
+    assert seconds >= 0.45
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="unknown link setting"):
+        LinkSpec.parse("latency=3")
+    with pytest.raises(ValueError, match="positive"):
+        LinkSpec.parse("rate_mbit=0")
+    assert LinkSpec.parse("delay_ms=20,jitter_ms=5,rate_mbit=50") == LinkSpec(20, 5, 50)
