@@ -3,9 +3,9 @@
 In the spirit of DSD's adaptive window control. With per-token acceptance alpha (estimated over the
 recent rounds), a round with k drafted tokens commits (1 - alpha^(k+1)) / (1 - alpha) tokens on
 average and takes k * t_draft + rtt_fixed + c * (k + 1), where t_draft is this device's measured
-drafting time per token, c the server's cost per verified token under its current load (its step
-time / step tokens, reported in every Verdict) and rtt_fixed the rest of the round trip (network,
-queueing). Low acceptance, slow drafting or a loaded server shorten the draft; the opposite lengthens it.
+drafting time per token, c the server's marginal cost of one more token in a step (the slope
+of its step time over step tokens on recent steps, reported in every Verdict) and rtt_fixed the
+rest of the round trip (network, queueing). Low acceptance, slow drafting or a loaded server shorten the draft; the opposite lengthens it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class RoundSample:
     accepted: int
     draft_s: float  # time spent drafting this round
     rtt_s: float  # Draft sent -> Verdict received
-    server_token_s: float  # server step time / step tokens
+    server_token_s: float  # the server's marginal cost of one more token
 
 
 class AdaptiveDraftLength:

@@ -30,11 +30,12 @@ def _add_generate(sub) -> None:
                    "(made by scripts/export_onnx_draft.py)")
     p.add_argument("--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
-                   help="tokens drafted per round; with adaptive drafting, the first round's K (default 4)")
+                   help="tokens drafted per round when --no-adaptive; 0 drafts nothing (default 4)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="choose K each round from recent acceptance, round-trip time and server load (default on; "
                         "--no-adaptive keeps K fixed)")
-    p.add_argument("--max-draft-tokens", type=int, default=8, help="upper bound of the adaptive K (default 8)")
+    p.add_argument("--max-draft-tokens", type=int, default=8,
+                   help="upper bound (and first value) of the adaptive K (default 8)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")

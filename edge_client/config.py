@@ -19,9 +19,9 @@ class EdgeConfig:
     draft_model: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
     onnx_model: str | None = None  # .onnx for the onnx drafter
     tokenizer: str | None = None  # GGUF whose vocabulary tokenizes (default: draft_model)
-    draft_tokens: int = 4  # K; with adaptive_draft, the first round's K
+    draft_tokens: int = 4  # K when adaptive_draft is off (0: no drafting)
     adaptive_draft: bool = True  # choose K each round from acceptance, round trip and server load
-    max_draft_tokens: int = 8  # the adaptive K's upper bound
+    max_draft_tokens: int = 8  # the adaptive K's upper bound and first value
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
     gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
     context_size: int = 4096  # drafter context

@@ -240,7 +240,7 @@ class _Generation:
                 committed = committed + [verdict.next_token]
             now = time.perf_counter()
             if self.adaptive is not None:
-                per_token = verdict.step_ms / 1000.0 / verdict.step_tokens if verdict.step_tokens else 0.0
+                per_token = verdict.token_ms / 1000.0  # marginal server cost of one more token, at its load
                 self.adaptive.observe(RoundSample(len(proposal.token_ids), verdict.n_accepted, t_sent - t_round,
                                                   now - t_sent, per_token))
             r.rounds += 1
@@ -273,7 +273,9 @@ async def generate(
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
-    With adaptive=True, draft_tokens is the first round's K and later rounds choose K in 1..max_draft_tokens.
+    With adaptive=True, K starts at max_draft_tokens (optimistic: a poor drafter is cut back after two
+    rounds) and each round chooses K in 1..max_draft_tokens; draft_tokens is then only the on/off switch
+    for drafting (0 = none). With adaptive=False, K is draft_tokens.
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
@@ -281,7 +283,8 @@ async def generate(
         raise ValueError("max_tokens must be at least 1")
     if draft_tokens < 0:
         raise ValueError("draft_tokens must be >= 0")
-    controller = AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=draft_tokens) if adaptive else None
+    controller = (AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=max(max_draft_tokens, 1))
+                  if adaptive else None)
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
                       stop_token_ids, on_text, client_id, resilience, should_stop, controller)
     return await run.run()

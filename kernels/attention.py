@@ -25,6 +25,7 @@ def attention_reference(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
     segments: list[Segment],
     scale: float,
+    masks=None,  # unused: the reference builds its own
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Plain math, one segment at a time: softmax(q k^T * scale + causal mask) v, heads grouped."""
     out = torch.empty_like(q)
@@ -41,25 +42,31 @@ def attention_reference(
     return out
 
 
+def causal_masks(segments: list[Segment], device) -> list[torch.Tensor | None]:
+    """Per segment, [length, context_len] bool: query i (at context_len - length + i) sees keys up to it.
+    Built once per forward pass and shared by every layer; None for one-token segments."""
+    return [None if seg.length == 1 else
+            torch.ones(seg.length, seg.context_len, dtype=torch.bool, device=device).tril(seg.context_len - seg.length)
+            for seg in segments]
+
+
 def attention_sdpa(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
     segments: list[Segment],
     scale: float,
+    masks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """torch's fused scaled_dot_product_attention on views of the cache (no copy of the cache)."""
     out = torch.empty_like(q)
     grouped = q.shape[1] != k_cache.shape[1]
-    for seg in segments:
+    if masks is None:
+        masks = causal_masks(segments, q.device)
+    for seg, mask in zip(segments, masks):
         qs = q[seg.start : seg.start + seg.length].transpose(0, 1)  # [heads, L, d]
         ks = k_cache[seg.slot, :, : seg.context_len]  # [kv_heads, ctx, d], a view
         vs = v_cache[seg.slot, :, : seg.context_len]
-        mask = None
-        if seg.length > 1:
-            # Query i sits at position context_len - length + i and sees keys up to it.
-            offset = seg.context_len - seg.length
-            mask = torch.ones(seg.length, seg.context_len, dtype=torch.bool, device=q.device).tril(offset)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=grouped)
         out[seg.start : seg.start + seg.length] = o.transpose(0, 1)
     return out

@@ -2,15 +2,17 @@
 
     python scripts/bench_system.py --devices 1,4,16,32 --slo-ms 150 --json runs/bench_system.json
 
-1. Record: real devices (llama.cpp Q4_1, K fixed) generate greedily once; every round's draft and the
-   drafting time per token on this machine are recorded.
-2. Replay: devices replay the recorded drafts (identical contexts, since greedy output is fixed),
-   sleeping for the drafting time instead of computing, so the server's capacity is measured apart
-   from drafting: on one 2-core machine, drafters and server would otherwise share the cores.
+1. Record: for each prompt, the target's greedy output (through SLED) and, at every prefix of it,
+   the real drafter's greedy proposal of up to 8 tokens (llama.cpp Q4_1); and one drafter's time per
+   token when it runs alone on this machine (a device has its own hardware).
+2. Replay: devices propose exactly what the real drafter proposes at their context (contexts are
+   prefixes of the fixed greedy output), sleeping for the drafting time instead of computing, so the
+   server's capacity is measured apart from drafting: on one 2-core machine, drafters and server
+   would otherwise share the cores. Any K, fixed or adaptive, replays the same drafter.
    Modes: `sled` (replayed drafts), `server-only` (the same server decodes every token, batched),
    `device-only` (the drafter alone, unverified: each device is its own hardware, so N devices give
    N times one device's measured rate).
-3. Adaptive draft length vs fixed K = 2, 4, 8 with real llama.cpp drafters (--adaptive-devices).
+3. `sled` rows use the adaptive draft length (the default); fixed K = 2, 4, 8 run beside it.
 4. Engine speed: decode step at batch 1 against the memory-bandwidth limit, and non-model time per step.
 
 Inter-token latency: a round that commits n tokens in t seconds gives each of them t / n.
@@ -66,31 +68,23 @@ class ReplayDrafter:
         pass
 
 
-class Recorder:
-    """Wraps a drafter and records each proposal by context length, and the time it took."""
+K_MAX = 8
 
-    def __init__(self, inner):
-        self.inner, self.name = inner, inner.name
-        self.rounds: dict[int, list[int]] = {}
-        self.seconds = 0.0
-        self.tokens = 0
 
-    def begin(self, context, sampling):
-        self.inner.begin(context, sampling)
+def record_tables(address, tokenizer, prompt_ids, max_tokens) -> list[dict[int, list[int]]]:
+    """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there."""
+    from edge_client.sampling import SamplingParams
 
-    def propose(self, context, k):
-        t0 = time.perf_counter()
-        p = self.inner.propose(context, k)
-        self.seconds += time.perf_counter() - t0
-        self.tokens += len(p.token_ids)
-        self.rounds[len(context)] = list(p.token_ids)
-        return p
-
-    def accept(self, context):
-        self.inner.accept(context)
-
-    def close(self):
-        self.inner.close()
+    drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512))
+    runs, _, _, _ = asyncio.run(run_devices(address, tokenizer, [create_drafter("none") for _ in prompt_ids],
+                                            prompt_ids, max_tokens, 0, adaptive=False))
+    tables = []
+    for ids, run in zip(prompt_ids, runs):
+        full = list(ids) + run.token_ids
+        drafter.begin(list(ids), SamplingParams())
+        tables.append({n: drafter.propose(full[:n], K_MAX).token_ids for n in range(len(ids), len(full))})
+    drafter.close()
+    return tables
 
 
 def prompts(tokenizer, n):
@@ -170,6 +164,7 @@ def plot(rows, out_dir: Path) -> list[Path]:
         ax.set_xlabel("devices")
         ax.set_ylabel(label)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
         path = out_dir / f"bench_system_{key}.png"
@@ -187,18 +182,18 @@ def main() -> int:
     ap.add_argument("--devices", default="1,4,16,32", help="device counts (default 1,4,16,32)")
     ap.add_argument("--slo-ms", type=float, default=150.0, help="p95 inter-token latency bound for capacity (default 150)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per device (default 64)")
-    ap.add_argument("--draft-tokens", type=int, default=4, help="recorded drafts' K (default 4)")
+    ap.add_argument("--draft-tokens", type=int, default=4, help="passed with adaptive drafting on (default 4)")
     ap.add_argument("--recordings", type=int, default=8, help="distinct recorded prompts, reused round-robin (default 8)")
+    ap.add_argument("--max-wait-ms", type=float, default=3.0, help="the server's batching window (default 3)")
     ap.add_argument("--device-ms-per-token", type=float,
                     help="drafting time per token on a device (default: measured here for llama.cpp Q4_1, 1 thread)")
-    ap.add_argument("--adaptive-devices", default="1,4", help="device counts for adaptive vs fixed K (default 1,4; '' skips)")
     ap.add_argument("--json", metavar="FILE", help="write all rows as JSON")
     ap.add_argument("--out-dir", default=str(ROOT / "runs" / "bench_system"), help="where PNG plots go")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()
     counts = [int(x) for x in args.devices.split(",")]
-    adaptive_counts = [int(x) for x in args.adaptive_devices.split(",") if x]
-    top = max(counts + adaptive_counts)
+    adaptive_counts = counts
+    top = max(counts)
 
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="sled-system-")) / "server.log"
@@ -206,7 +201,7 @@ def main() -> int:
         server = subprocess.Popen([Path(sys.executable).parent / "sled-server", "--port", str(port),
                                    "--max-sessions", str(top + 2), "--max-seq-len", "512",
                                    "--max-batch-sessions", str(top), "--max-batch-tokens", str(max(512, top * 10)),
-                                   "--max-wait-ms", "3"], stdout=out, stderr=subprocess.STDOUT)
+                                   "--max-wait-ms", str(args.max_wait_ms)], stdout=out, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     rows, adaptive_rows = [], []
     try:
@@ -218,14 +213,10 @@ def main() -> int:
             time.sleep(1)
         tokenizer = Tokenizer()
         ids = prompts(tokenizer, args.recordings)
-        print(f"[bench] recording {args.recordings} real llama.cpp generations ...", flush=True)
-        recorders = [Recorder(create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1)))
-                     for _ in ids]
-        asyncio.run(run_devices(address, tokenizer, recorders, ids, args.max_tokens, args.draft_tokens))
-        for r in recorders:
-            r.close()
-        measured_spt = sum(r.seconds for r in recorders) / max(sum(r.tokens for r in recorders), 1)
-        # Device-only: one drafter alone, generating unverified, on this machine.
+        print(f"[bench] recording the llama.cpp drafter's proposals along {args.recordings} greedy outputs ...",
+              flush=True)
+        tables = record_tables(address, tokenizer, ids, args.max_tokens)
+        # Device-only, and the device's drafting time: one drafter alone, unverified, on this machine.
         alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
         context = list(ids[0])
         alone.begin(context, __import__("edge_client.sampling", fromlist=["SamplingParams"]).SamplingParams())
@@ -234,35 +225,33 @@ def main() -> int:
             context += alone.propose(context, 1).token_ids
         device_spt = (time.perf_counter() - t1) / args.max_tokens
         alone.close()
-        spt = args.device_ms_per_token / 1000 if args.device_ms_per_token else measured_spt
-        print(f"[bench] drafting {measured_spt * 1000:.1f} ms/token in rounds, {device_spt * 1000:.1f} ms/token alone; "
-              f"replay uses {spt * 1000:.1f} ms/token", flush=True)
+        spt = args.device_ms_per_token / 1000 if args.device_ms_per_token else device_spt
+        print(f"[bench] one llama.cpp drafter alone: {device_spt * 1000:.1f} ms/token; replay uses "
+              f"{spt * 1000:.1f} ms/token", flush=True)
 
-        plan = [(n, m) for n in counts for m in ("sled", "server-only")]
+        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive")]
         for n, mode in tqdm(plan, desc="system", unit="config"):
-            if mode == "sled":
-                drafters = [ReplayDrafter(recorders[i % len(recorders)].rounds, spt) for i in range(n)]
-            else:
-                drafters = [create_drafter("none") for _ in range(n)]
-            res = asyncio.run(run_devices(address, tokenizer, drafters, [ids[i % len(ids)] for i in range(n)],
-                                          args.max_tokens, args.draft_tokens if mode == "sled" else 0))
-            rows.append(summarize(mode, n, *res))
+            prompts_n = [ids[i % len(ids)] for i in range(n)]
+            if mode == "server-only":
+                res = asyncio.run(run_devices(address, tokenizer, [create_drafter("none") for _ in range(n)],
+                                              prompts_n, args.max_tokens, 0, adaptive=False))
+                rows.append(summarize(mode, n, *res))
+                continue
+            drafters = [ReplayDrafter(tables[i % len(tables)], spt) for i in range(n)]
+            k = args.draft_tokens if mode == "adaptive" else int(mode)
+            res = asyncio.run(run_devices(address, tokenizer, drafters, prompts_n, args.max_tokens, k,
+                                          adaptive=mode == "adaptive"))
+            row = summarize("sled", n, *res)
+            row["k"] = mode
+            (rows if mode == "adaptive" else adaptive_rows).append(row)
+            if mode == "adaptive":
+                adaptive_rows.append(row)
         for n in counts:
             rows.append({"mode": "device-only", "devices": n, "system_tokens_per_s": n / device_spt,
                          "per_device_tokens_per_s": 1 / device_spt, "p50_inter_token_ms": device_spt * 1000,
                          "p95_inter_token_ms": device_spt * 1000, "acceptance_rate": 0.0, "mean_draft_tokens": 0.0,
                          "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0})
 
-        plan = [(n, k) for n in adaptive_counts for k in (2, 4, 8, "adaptive")]
-        for n, k in tqdm(plan, desc="draft length", unit="config"):
-            drafters = [create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1)) for _ in range(n)]
-            res = asyncio.run(run_devices(address, tokenizer, drafters, [ids[i % len(ids)] for i in range(n)],
-                                          args.max_tokens, 4 if k == "adaptive" else k, adaptive=k == "adaptive"))
-            for d in drafters:
-                d.close()
-            row = summarize("sled", n, *res)
-            row["k"] = str(k)
-            adaptive_rows.append(row)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -310,8 +299,9 @@ def main() -> int:
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
         f"- machine: {machine()} (no GPU)\n"
         f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
-        f"- target: SmolLM2-135M-Instruct float32 on CPU; drafts recorded from llama.cpp Q4_1 (K = {args.draft_tokens}) "
-        f"and replayed at {spt * 1000:.1f} ms/token of drafting per device; {args.max_tokens} greedy tokens per device\n"
+        f"- target: SmolLM2-135M-Instruct float32 on CPU; drafts: llama.cpp Q4_1's greedy proposals, recorded and "
+        f"replayed at {spt * 1000:.1f} ms/token of drafting per device (one drafter alone here); `sled` uses the "
+        f"adaptive draft length (default, K ≤ {K_MAX}); {args.max_tokens} greedy tokens per device\n"
         f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
         "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n\n"
@@ -321,7 +311,7 @@ def main() -> int:
         f"{one['server_step_ms']:.1f} ms; memory-bandwidth limit {limit_ms:.1f} ms ({wbytes / 2**20:.0f} MiB of float32 "
         f"weights at {bw / 1e9:.1f} GB/s measured copy bandwidth): {one['server_forward_ms'] / limit_ms:.2f}x the limit\n"
         + overhead + "\n"
-        "### Adaptive draft length vs fixed K (real llama.cpp drafters on this machine)\n\n"
+        "### Adaptive draft length vs fixed K (same replayed drafter, same run)\n\n"
         + "\n".join(alines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )
     replace_section(Path(args.markdown), "## System benchmark", section)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -54,6 +55,8 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self._default_gen = torch.Generator().manual_seed(self._seeds.getrandbits(63))
         self._last_sweep = time.monotonic()
+        self._step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (tokens, seconds)
+        self.token_ms = 0.0
 
     # ---- API for any thread: messages to the worker, answered through `reply` ----
 
@@ -88,15 +91,27 @@ class Engine:
     # ---- lifecycle ----
 
     def warmup(self) -> None:
-        """One prefill and one verify-shaped pass, so the first real step is not the slow one."""
+        """Passes of several sizes, so the first real step is not the slow one and the cost model has data."""
         slot = self.kv.allocate()
         try:
-            for n in (8, 5):
+            for n in (8, 1, 5, 1, 16, 1, 16):
                 ids = torch.ones(n, dtype=torch.long)
+                t0 = time.monotonic()
                 self.runner.forward(ModelInput(ids, torch.arange(n), torch.full((n,), slot),
                                                [Segment(slot, 0, n, n)], torch.arange(n)))
+                self._record_cost(n, time.monotonic() - t0)
         finally:
             self.kv.free(slot)
+
+    def _record_cost(self, tokens: int, seconds: float) -> None:
+        """Fit step time = a + b * tokens over recent steps; b is the marginal cost of a token."""
+        self._step_costs.append((tokens, seconds))
+        t = torch.tensor([c[0] for c in self._step_costs], dtype=torch.float64)
+        y = torch.tensor([c[1] for c in self._step_costs], dtype=torch.float64)
+        var = ((t - t.mean()) ** 2).sum()
+        if var > 0:
+            slope = float(((t - t.mean()) * (y - y.mean())).sum() / var)
+            self.token_ms = max(slope, 0.0) * 1000.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sled-engine", daemon=True)
@@ -263,8 +278,9 @@ class Engine:
         for p in plan.prefills:
             p.session.kv_len += p.length
         step = time.monotonic() - t0
+        self._record_cost(int(inp.token_ids.numel()), forward)
         load = {"step_ms": step * 1000.0, "step_tokens": int(inp.token_ids.numel()),
-                "step_sessions": len(plan.verifies)}
+                "step_sessions": len(plan.verifies), "token_ms": self.token_ms}
         for work, verdict in zip(plan.verifies, verdicts):
             work.reply(dataclasses.replace(verdict, **load) if isinstance(verdict, Verdict) else verdict)
         self.metrics.record_step(len(plan.verifies), sum(p.length for p in plan.prefills), step,

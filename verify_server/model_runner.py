@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import ATTENTION, Segment
+from kernels.attention import ATTENTION, Segment, causal_masks
 
 from .kv_cache import KVCache
 
@@ -78,6 +78,7 @@ class ModelRunner:
         h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
+        masks = causal_masks(inp.segments, self.device)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
@@ -89,7 +90,7 @@ class ModelRunner:
             k_cache, v_cache = self.kv.k[i], self.kv.v[i]
             k_cache[slots, :, positions] = k
             v_cache[slots, :, positions] = v
-            o = self.attention(q, k_cache, v_cache, inp.segments, self.scale)
+            o = self.attention(q, k_cache, v_cache, inp.segments, self.scale, masks)
             h = h + attn.o_proj(o.reshape(n, -1))
             x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
             mlp = layer.mlp

@@ -50,6 +50,7 @@ class Verdict:
     step_ms: float = 0.0
     step_tokens: int = 0
     step_sessions: int = 0
+    token_ms: float = 0.0
 
 
 @dataclass
