@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
-from scripts.bench_first import free_port, machine, replace_section  # noqa: E402
+from scripts.benchutil import ServerProcess, machine, replace_section  # noqa: E402
 
 REPETITIVE = [
     "Repeat this sentence five times, one per line: The quick brown fox jumps over the lazy dog.",
@@ -86,36 +84,25 @@ def main() -> int:
         "Cacheback (LRU n-gram caches)": ("cacheback", DrafterOptions()),
         "prompt lookup (n-gram)": ("ngram", DrafterOptions()),
     }
-    port = free_port()
-    log = work / "server.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen([Path(sys.executable).parent / "sled-server", "--port", str(port),
-                                   "--max-sessions", "4", "--max-seq-len", "1024"], stdout=out, stderr=subprocess.STDOUT)
     rows = []
     try:
-        t0 = time.time()
-        while "ready on" not in log.read_text():
-            if server.poll() is not None or time.time() - t0 > 300:
-                print(log.read_text(), file=sys.stderr)
-                return 1
-            time.sleep(1)
-        tokenizer = Tokenizer()
-        for name, (kind, opts) in drafters.items():
-            for label, prompts in (("repetitive", REPETITIVE), ("free", FREE)):
-                print(f"[bench] {name}, {label} text ...", end=" ", flush=True)
-                d = create_drafter(kind, opts)
-                try:
-                    row = asyncio.run(run_set(f"127.0.0.1:{port}", tokenizer, d, prompts, args.max_tokens,
-                                              args.draft_tokens))
-                finally:
-                    d.close()
-                row.update(drafter=name, text=label)
-                rows.append(row)
-                print(f"acceptance {row['acceptance_rate']:.2f}, mean length {row['mean_acceptance_length']:.2f}",
-                      flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
+            tokenizer = Tokenizer()
+            for name, (kind, opts) in drafters.items():
+                for label, prompts in (("repetitive", REPETITIVE), ("free", FREE)):
+                    print(f"[bench] {name}, {label} text ...", end=" ", flush=True)
+                    d = create_drafter(kind, opts)
+                    try:
+                        row = asyncio.run(run_set(address, tokenizer, d, prompts, args.max_tokens, args.draft_tokens))
+                    finally:
+                        d.close()
+                    row.update(drafter=name, text=label)
+                    rows.append(row)
+                    print(f"acceptance {row['acceptance_rate']:.2f}, mean length {row['mean_acceptance_length']:.2f}",
+                          flush=True)
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
     lines = ["| drafter | text | acceptance | mean accept. length | drafted / round | device tok/s |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:

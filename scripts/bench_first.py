@@ -10,11 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,51 +23,8 @@ from edge_client.generation import generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
-
-QUESTIONS = [
-    "Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
-    "What are the benefits of regular exercise?", "Describe how a bicycle works.",
-    "Give me three tips for learning to cook.", "What is photosynthesis?",
-    "Write a poem about the ocean.", "How do airplanes stay in the air?",
-    "Summarize the plot of Romeo and Juliet.", "What is machine learning?",
-    "Describe a day in the life of a farmer.", "Why do we have seasons?",
-    "How does the internet work?", "Write a letter to a friend about a trip to the mountains.",
-    "What makes a good leader?", "Explain how vaccines work.",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
-
-
-def replace_section(md: Path, marker: str, section: str) -> None:
-    """Rewrite the section of `md` that starts with `marker` (or append it), leaving the others as they are."""
-    text = md.read_text() if md.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
-    if marker in text:
-        head, _, rest = text.partition(marker)
-        nxt = rest.find("\n## ")
-        text = head + section + (rest[nxt:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(text)
-
+from edge_client.workload import QUESTIONS  # noqa: E402
+from scripts.benchutil import ServerProcess, machine, replace_section  # noqa: E402
 
 async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int, max_tokens: int, k: int,
                        temperature: float) -> dict:
@@ -82,7 +35,7 @@ async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int,
     before = await client.info()
     start = time.perf_counter()
     results = await asyncio.gather(*[
-        generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k,
+        generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=False,
                  sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
         for i, (d, p) in enumerate(zip(drafters, prompts))
     ])
@@ -120,34 +73,22 @@ def main() -> int:
     args = ap.parse_args()
     counts = [int(x) for x in args.sessions.split(",")]
 
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="sled-bench-")) / "server.log"
-    print(f"[bench] starting sled-server on port {port} (log {log})", flush=True)
-    with open(log, "w") as out:
-        server = subprocess.Popen([Path(sys.executable).parent / "sled-server", "--port", str(port),
-                                   "--max-sessions", str(max(counts) + 2), "--max-seq-len", "1024",
-                                   "--max-wait-ms", "5"], stdout=out, stderr=subprocess.STDOUT)
     rows = []
     try:
-        t0 = time.time()
-        while "ready on" not in log.read_text():
-            if server.poll() is not None or time.time() - t0 > 300:
-                print(log.read_text(), file=sys.stderr)
-                return 1
-            time.sleep(1)
-        tokenizer = Tokenizer()
-        address = f"127.0.0.1:{port}"
-        asyncio.run(run_sessions(address, tokenizer, "llama-cpp", 1, 8, args.draft_tokens, 0.0))  # warm caches
-        plan = [(n, d) for n in counts for d in ("llama-cpp", "none")]
-        for i, (n, drafter) in enumerate(plan, 1):
-            print(f"[bench] {i}/{len(plan)}: {n} sessions, drafter {drafter} ...", end=" ", flush=True)
-            row = asyncio.run(run_sessions(address, tokenizer, drafter, n, args.max_tokens, args.draft_tokens,
-                                           args.temperature))
-            print(f"{row['system_tokens_per_s']:.1f} tok/s, acceptance {row['acceptance_rate']:.2f}", flush=True)
-            rows.append(row)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+        with ServerProcess("--max-sessions", str(max(counts) + 2), "--max-seq-len", "1024",
+                           "--max-wait-ms", "5") as address:
+            tokenizer = Tokenizer()
+            asyncio.run(run_sessions(address, tokenizer, "llama-cpp", 1, 8, args.draft_tokens, 0.0))  # warm caches
+            plan = [(n, d) for n in counts for d in ("llama-cpp", "none")]
+            for i, (n, drafter) in enumerate(plan, 1):
+                print(f"[bench] {i}/{len(plan)}: {n} sessions, drafter {drafter} ...", end=" ", flush=True)
+                row = asyncio.run(run_sessions(address, tokenizer, drafter, n, args.max_tokens, args.draft_tokens,
+                                               args.temperature))
+                print(f"{row['system_tokens_per_s']:.1f} tok/s, acceptance {row['acceptance_rate']:.2f}", flush=True)
+                rows.append(row)
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
 
     by = {(r["sessions"], r["drafter"]): r for r in rows}
     lines = [

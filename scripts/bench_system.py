@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,7 +40,7 @@ from edge_client.generation import generate  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.bench_first import free_port, machine, replace_section  # noqa: E402
+from scripts.benchutil import ServerProcess, machine, replace_section  # noqa: E402
 
 
 class ReplayDrafter:
@@ -195,22 +193,11 @@ def main() -> int:
     adaptive_counts = counts
     top = max(counts)
 
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="sled-system-")) / "server.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen([Path(sys.executable).parent / "sled-server", "--port", str(port),
-                                   "--max-sessions", str(top + 2), "--max-seq-len", "512",
-                                   "--max-batch-sessions", str(top), "--max-batch-tokens", str(max(512, top * 10)),
-                                   "--max-wait-ms", str(args.max_wait_ms)], stdout=out, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
     rows, adaptive_rows = [], []
+    server = ServerProcess("--max-sessions", str(top + 2), "--max-seq-len", "512", "--max-batch-sessions", str(top),
+                           "--max-batch-tokens", str(max(512, top * 10)), "--max-wait-ms", str(args.max_wait_ms))
+    address = server.start()
     try:
-        t0 = time.time()
-        while "ready on" not in log.read_text():
-            if server.poll() is not None or time.time() - t0 > 300:
-                print(log.read_text(), file=sys.stderr)
-                return 1
-            time.sleep(1)
         tokenizer = Tokenizer()
         ids = prompts(tokenizer, args.recordings)
         print(f"[bench] recording the llama.cpp drafter's proposals along {args.recordings} greedy outputs ...",
@@ -253,8 +240,7 @@ def main() -> int:
                          "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0})
 
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
 
     bw = copy_bandwidth()
     wbytes = weight_bytes()

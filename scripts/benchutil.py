@@ -1,0 +1,80 @@
+"""What the benchmark scripts share: a real sled-server process, machine facts, docs/benchmarks.md sections."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
+
+
+def replace_section(md: Path, marker: str, section: str) -> None:
+    """Rewrite the section of `md` that starts with `marker` (or append it), leaving the others as they are."""
+    text = md.read_text() if md.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
+    if marker in text:
+        head, _, rest = text.partition(marker)
+        nxt = rest.find("\n## ")
+        text = head + section + (rest[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + section
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(text)
+
+
+class ServerProcess:
+    """`with ServerProcess("--max-sessions", "8") as address:` a real sled-server on a free loopback port."""
+
+    def __init__(self, *flags: str, timeout: float = 300):
+        self.flags, self.timeout = flags, timeout
+        self.port = free_port()
+        self.log = Path(tempfile.mkdtemp(prefix="sled-bench-")) / "server.log"
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> str:
+        print(f"[bench] starting sled-server on port {self.port} (log {self.log})", flush=True)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([BIN / "sled-server", "--port", str(self.port), *self.flags],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        start = time.time()
+        while "ready on" not in self.log.read_text():
+            if self.proc.poll() is not None or time.time() - start > self.timeout:
+                self.proc.kill()
+                raise RuntimeError(f"sled-server did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(1)
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
