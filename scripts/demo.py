@@ -56,7 +56,7 @@ def main() -> int:
             stats_file = workdir / f"stats{i}.json"
             print(f"\n[demo] device ({drafter} drafter) asks: {prompt}\n", flush=True)
             done = subprocess.run([BIN / "sled-edge", "generate", prompt, "--chat", "--server", f"127.0.0.1:{port}",
-                                   "--drafter", drafter, "--max-tokens", "96", "--draft-tokens", "4",
+                                   "--drafter", drafter, "--max-tokens", "96",
                                    "--stats-json", str(stats_file)])
             if done.returncode != 0:
                 print(f"[demo] sled-edge failed with exit code {done.returncode}", file=sys.stderr)
