@@ -42,11 +42,12 @@ def attention_reference(
     return out
 
 
-def causal_masks(segments: list[Segment], device) -> list[torch.Tensor | None]:
-    """Per segment, [length, context_len] bool: query i (at context_len - length + i) sees keys up to it.
-    Built once per forward pass and shared by every layer; None for one-token segments."""
+def causal_masks(segments: list[Segment], device, groups: int = 1) -> list[torch.Tensor | None]:
+    """Per segment, [groups * length, context_len] bool: query i (at context_len - length + i) sees keys up to
+    it, tiled once per query head of a KV group. Built once per forward and shared by every layer."""
     return [None if seg.length == 1 else
-            torch.ones(seg.length, seg.context_len, dtype=torch.bool, device=device).tril(seg.context_len - seg.length)
+            torch.ones(seg.length, seg.context_len, dtype=torch.bool, device=device)
+            .tril(seg.context_len - seg.length).repeat(groups, 1)
             for seg in segments]
 
 
@@ -56,19 +57,27 @@ def attention_sdpa(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
     segments: list[Segment],
     scale: float,
-    masks: list[torch.Tensor | None] | None = None,
+    masks: list[torch.Tensor | None] | None = None,  # from causal_masks(..., groups)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """torch's fused scaled_dot_product_attention on views of the cache (no copy of the cache)."""
+    """Fused scaled_dot_product_attention on views of the cache, no copy of the cache.
+
+    Grouped-query attention without expanding K and V: the `groups` query heads that share a KV head
+    are folded into the query-length dimension ([heads, L, d] -> [kv_heads, groups * L, d]), which is
+    exact since query rows are independent, and keeps torch on its fused kernel (enable_gqa would send
+    it to the unfused math path on CPU, copying K and V).
+    """
     out = torch.empty_like(q)
-    grouped = q.shape[1] != k_cache.shape[1]
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    groups = heads // kv_heads
     if masks is None:
-        masks = causal_masks(segments, q.device)
+        masks = causal_masks(segments, q.device, groups)
     for seg, mask in zip(segments, masks):
-        qs = q[seg.start : seg.start + seg.length].transpose(0, 1)  # [heads, L, d]
+        n = seg.length
+        qs = q[seg.start : seg.start + n].transpose(0, 1).reshape(kv_heads, groups * n, dim)
         ks = k_cache[seg.slot, :, : seg.context_len]  # [kv_heads, ctx, d], a view
         vs = v_cache[seg.slot, :, : seg.context_len]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=grouped)
-        out[seg.start : seg.start + seg.length] = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [kv_heads, groups * L, d]
+        out[seg.start : seg.start + n] = o.reshape(heads, n, dim).transpose(0, 1)
     return out
 
 

@@ -78,7 +78,7 @@ class ModelRunner:
         h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        masks = causal_masks(inp.segments, self.device)
+        masks = causal_masks(inp.segments, self.device, self.num_heads // self.num_kv_heads)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
