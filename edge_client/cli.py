@@ -40,7 +40,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 is off (default 1)")
-    p.add_argument("--seed", type=int, help="seed for the device's and the server's random draws")
+    p.add_argument("--seed", type=int, help="seed for the device's and the server's random draws (runs repeat "
+                   "exactly with --no-adaptive: the adaptive K follows timing)")
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the model's chat template")
     p.add_argument("--threads", type=int, help="llama.cpp threads (default: llama.cpp's choice)")
     p.add_argument("--gpu-layers", type=int, default=0, help="llama.cpp layers offloaded to a GPU (default 0)")
