@@ -226,3 +226,12 @@ def test_health_is_not_serving_until_warm(make_server):
     run(early_session())
     server.load()
     assert run(status()) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_services(make_server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    server = make_server()
+    with grpc.insecure_channel(server.address) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"sled.v1.Verifier", "grpc.health.v1.Health"} <= services
