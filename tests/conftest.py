@@ -55,6 +55,8 @@ class ServerThread:
 
         self.server = self.call(make())
         self.address = f"127.0.0.1:{self.server.port}"
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     def call(self, coro, timeout=300):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -68,8 +70,13 @@ class ServerThread:
         return self.server.engine
 
     def stop(self):
-        if not self.thread.is_alive():
-            return
+        with self._stop_lock:  # a test may stop its server from another thread while teardown stops it too
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stop()
+
+    def _stop(self):
         self.call(self.server.stop(grace=1))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
