@@ -39,7 +39,7 @@ protos/sled/v1/%_pb2.py: protos/sled/v1/%.proto $(STAMP)
 proto: $(PROTO_GEN)
 
 test: install
-	bash -c 'set -o pipefail; $(PY) -m pytest -v --durations=15 tests 2>&1'
+	$(PY) -m pytest -v --durations=15 tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not model" tests

@@ -62,11 +62,12 @@ class Agent:
                                        threads=config.threads, gpu_layers=config.gpu_layers,
                                        context_size=config.context_size)
         self._idle: asyncio.Queue = asyncio.Queue()
-        self._made = 0
+        # Made now so a bad drafter setting fails at start; it then serves the first request.
+        self._idle.put_nowait(create_drafter(config.drafter, self._options))
+        self._made = 1
         self._slots = asyncio.Semaphore(config.max_concurrent)
         self.active = 0
         self.served = 0
-        create_drafter(config.drafter, self._options).close()  # fail at start, not at the first request
 
     async def _drafter(self):
         if self._idle.empty() and self._made < self.config.max_concurrent:

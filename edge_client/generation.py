@@ -174,8 +174,10 @@ class _Generation:
                 tokens, reason = tokens[: i + 1], "stop"
                 break
         room = self.max_tokens - len(self.result.token_ids)
-        if len(tokens) >= room:
-            tokens, reason = tokens[:room], reason if len(tokens) == room and reason else "length"
+        if len(tokens) > room:
+            tokens, reason = tokens[:room], "length"
+        elif len(tokens) == room and reason is None:
+            reason = "length"
         self.commit(tokens, verified=False)
         return reason
 

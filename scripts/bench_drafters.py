@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -23,7 +22,7 @@ from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
-from scripts.benchutil import ServerProcess, machine, replace_section  # noqa: E402
+from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
 
 REPETITIVE = [
     "Repeat this sentence five times, one per line: The quick brown fox jumps over the lazy dog.",
@@ -46,7 +45,8 @@ async def run_set(address, tokenizer, drafter, prompts, max_tokens, k):
     try:
         for p in prompts:
             ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": p}]))
-            rows.append(await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens, draft_tokens=k))
+            rows.append(await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens, draft_tokens=k,
+                                        adaptive=False))
     finally:
         await client.close()
     drafted = sum(r.draft_tokens for r in rows)
@@ -122,10 +122,7 @@ def main() -> int:
         "n-gram drafters propose nothing when they find no match, so their drafted / round is below K\n\n"
         + table + "\n"
     )
-    replace_section(Path(args.markdown), "## Drafters:", section)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    print(f"[bench] wrote {args.markdown}")
+    publish(args.markdown, "## Drafters:", section, args.json, rows)
     return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from datetime import datetime, timezone
@@ -24,7 +23,7 @@ from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import ServerProcess, machine, replace_section  # noqa: E402
+from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
 
 async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int, max_tokens: int, k: int,
                        temperature: float) -> dict:
@@ -115,10 +114,7 @@ def main() -> int:
         "- system tok/s = all generated tokens / wall time of the whole round; batch = verifications per server step\n\n"
         + table + "\n"
     )
-    replace_section(Path(args.markdown), "## First figures", section)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    print(f"[bench] wrote {args.markdown}")
+    publish(args.markdown, "## First figures", section, args.json, rows)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from datetime import datetime, timezone
@@ -37,10 +36,11 @@ sys.path.insert(0, str(ROOT))
 from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
+from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import ServerProcess, machine, replace_section  # noqa: E402
+from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
 
 
 class ReplayDrafter:
@@ -71,8 +71,6 @@ K_MAX = 8
 
 def record_tables(address, tokenizer, prompt_ids, max_tokens) -> list[dict[int, list[int]]]:
     """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there."""
-    from edge_client.sampling import SamplingParams
-
     drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512))
     runs, _, _, _ = asyncio.run(run_devices(address, tokenizer, [create_drafter("none") for _ in prompt_ids],
                                             prompt_ids, max_tokens, 0, adaptive=False))
@@ -190,7 +188,6 @@ def main() -> int:
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()
     counts = [int(x) for x in args.devices.split(",")]
-    adaptive_counts = counts
     top = max(counts)
 
     rows, adaptive_rows = [], []
@@ -206,7 +203,7 @@ def main() -> int:
         # Device-only, and the device's drafting time: one drafter alone, unverified, on this machine.
         alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
         context = list(ids[0])
-        alone.begin(context, __import__("edge_client.sampling", fromlist=["SamplingParams"]).SamplingParams())
+        alone.begin(context, SamplingParams())
         t1 = time.perf_counter()
         for _ in range(args.max_tokens):
             context += alone.propose(context, 1).token_ids
@@ -268,7 +265,7 @@ def main() -> int:
         alines.append(f"| {r['devices']} | {r['k']} | {r['system_tokens_per_s']:.1f} | {r['mean_draft_tokens']:.2f} | "
                       f"{r['acceptance_rate']:.2f} | {r['p95_inter_token_ms']:.1f} |")
     verdicts = []
-    for n in adaptive_counts:
+    for n in counts:
         fixed = [r for r in adaptive_rows if r["devices"] == n and r["k"] != "adaptive"]
         best = max(fixed, key=lambda r: r["system_tokens_per_s"])
         ad = next(r for r in adaptive_rows if r["devices"] == n and r["k"] == "adaptive")
@@ -300,13 +297,10 @@ def main() -> int:
         "### Adaptive draft length vs fixed K (same replayed drafter, same run)\n\n"
         + "\n".join(alines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )
-    replace_section(Path(args.markdown), "## System benchmark", section)
+    publish(args.markdown, "## System benchmark", section, args.json, rows + adaptive_rows)
     paths = plot(rows, Path(args.out_dir))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows + adaptive_rows, indent=2))
     print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines))
-    print(f"[bench] capacity: {capacity}; plots: {[str(p) for p in paths]}; wrote {args.markdown}")
+    print(f"[bench] capacity: {capacity}; plots: {[str(p) for p in paths]}")
     return 0
 
 

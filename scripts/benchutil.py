@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -43,6 +44,15 @@ def replace_section(md: Path, marker: str, section: str) -> None:
         text = text.rstrip() + "\n\n" + section
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
+
+
+def publish(markdown: str | Path, marker: str, section: str, json_path: str | None, rows: list) -> None:
+    """Write a script's section of docs/benchmarks.md and, when asked, its rows as JSON."""
+    replace_section(Path(markdown), marker, section)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(rows, indent=2))
+    print(f"[bench] wrote {markdown}" + (f" and {json_path}" if json_path else ""))
 
 
 class ServerProcess:

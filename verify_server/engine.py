@@ -55,7 +55,8 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self._default_gen = torch.Generator().manual_seed(self._seeds.getrandbits(63))
         self._last_sweep = time.monotonic()
-        self._step_costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (tokens, seconds)
+        self._step_costs: collections.deque[tuple[int, float]] = collections.deque()  # (tokens, seconds), last 256
+        self._cost_sums = [0.0] * 5  # n, sum t, sum y, sum t*t, sum t*y over _step_costs
         self.token_ms = 0.0
 
     # ---- API for any thread: messages to the worker, answered through `reply` ----
@@ -104,14 +105,19 @@ class Engine:
             self.kv.free(slot)
 
     def _record_cost(self, tokens: int, seconds: float) -> None:
-        """Fit step time = a + b * tokens over recent steps; b is the marginal cost of a token."""
+        """Fit step time = a + b * tokens over the last 256 steps; b is the marginal cost of a token."""
+        self._add_cost(tokens, seconds, 1.0)
         self._step_costs.append((tokens, seconds))
-        t = torch.tensor([c[0] for c in self._step_costs], dtype=torch.float64)
-        y = torch.tensor([c[1] for c in self._step_costs], dtype=torch.float64)
-        var = ((t - t.mean()) ** 2).sum()
-        if var > 0:
-            slope = float(((t - t.mean()) * (y - y.mean())).sum() / var)
-            self.token_ms = max(slope, 0.0) * 1000.0
+        if len(self._step_costs) > 256:
+            self._add_cost(*self._step_costs.popleft(), -1.0)
+        n, st, sy, stt, sty = self._cost_sums
+        var = n * stt - st * st
+        if var > 1e-9:
+            self.token_ms = max((n * sty - st * sy) / var, 0.0) * 1000.0
+
+    def _add_cost(self, tokens: int, seconds: float, sign: float) -> None:
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            self._cost_sums[i] += sign * v
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sled-engine", daemon=True)

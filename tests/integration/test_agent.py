@@ -14,8 +14,6 @@ from tests.integration.test_processes import BIN
 pytestmark = pytest.mark.model
 
 
-
-
 @pytest.fixture
 def agent(make_server, tmp_path):
     server = make_server()
