@@ -76,8 +76,10 @@ def attention_sdpa(
         qs = q[seg.start : seg.start + n].transpose(0, 1).reshape(kv_heads, groups * n, dim)
         ks = k_cache[seg.slot, :, : seg.context_len]  # [kv_heads, ctx, d], a view
         vs = v_cache[seg.slot, :, : seg.context_len]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [kv_heads, groups * L, d]
-        out[seg.start : seg.start + n] = o.reshape(heads, n, dim).transpose(0, 1)
+        # 4-D ([1, kv_heads, groups * L, d]): with 3-D inputs torch's CPU dispatch skips its flash kernel.
+        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None],
+                                           attn_mask=None if mask is None else mask[None, None], scale=scale)
+        out[seg.start : seg.start + n] = o[0].reshape(heads, n, dim).transpose(0, 1)
     return out
 
 

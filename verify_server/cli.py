@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout-s", type=float, help=f"free a session after this many idle seconds (default {d.idle_timeout_s:g})")
     p.add_argument("--auth-token", help="require this bearer token in every Open (default: none)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--linear", choices=["auto", "onednn", "reference"],
+                   help="projection kernel: onednn (CPU, weights prepacked once, a second copy in memory) or the plain "
+                        "reference F.linear; auto picks onednn on CPU where it works (default auto)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
     p.add_argument("--attention", choices=["sdpa", "reference"], default="sdpa",

@@ -28,6 +28,8 @@ class ServerConfig:
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
     auth_token: str | None = None  # when set, Open must carry it
     metrics_port: int | None = None  # Prometheus exporter; None disables it
+    # Projection kernel: auto (onednn on CPU where it works, else reference) | onednn | reference.
+    linear: str = "auto"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
 
@@ -52,6 +54,8 @@ class ServerConfig:
             raise ValueError("max_seq_len must exceed max_draft_tokens + 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.linear not in ("auto", "onednn", "reference"):
+            raise ValueError(f"linear must be auto, onednn or reference, got {self.linear!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:

@@ -41,7 +41,7 @@ class Engine:
         param = next(target.model.parameters())
         self.kv = KVCache(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
                           config.max_seq_len, head_dim, param.dtype, param.device)
-        self.runner = ModelRunner(target.model, self.kv, attention)
+        self.runner = ModelRunner(target.model, self.kv, attention, config.linear)
         self.scheduler = Scheduler(config)
         self.metrics = Metrics(max_positions=config.max_draft_tokens)
         self.vocab_size = self.runner.vocab_size

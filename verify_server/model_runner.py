@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import ATTENTION, Segment, causal_masks
+from kernels.linear import LINEAR, resolve_linear
 
 from .kv_cache import KVCache
 
@@ -26,8 +27,8 @@ class ModelInput:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    # As transformers' LlamaRMSNorm: normalise in float32, cast back, then scale.
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * weight
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa"):
+    def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto"):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported target architecture {cfg.model_type!r}: SLED runs Llama-family models")
@@ -55,6 +56,15 @@ class ModelRunner:
         self.lm_head = model.lm_head.weight
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        self.linear = resolve_linear(linear, self.device, self.dtype)
+        make = LINEAR[self.linear]
+        # Per layer: (q, k, v), o, (gate, up) and down, each group one projection reading one input.
+        self.proj = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
+            self.proj.append(tuple(make([mod.weight for mod in g], [mod.bias for mod in g]) for g in groups))
+        self.project_logits = make([self.lm_head], [getattr(model.lm_head, "bias", None)])
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         if rope.get("rope_type", "default") not in ("default", None):
@@ -80,20 +90,19 @@ class ModelRunner:
         sin = self.sin[positions].unsqueeze(1)
         masks = causal_masks(inp.segments, self.device, self.num_heads // self.num_kv_heads)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
-            q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            qkv_proj, o_proj, gate_up_proj, down_proj = self.proj[i]
+            q, k, v = qkv_proj(_rms_norm(h, layer.input_layernorm.weight, self.eps))
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            v = v.view(n, self.num_kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = self.kv.k[i], self.kv.v[i]
             k_cache[slots, :, positions] = k
             v_cache[slots, :, positions] = v
             o = self.attention(q, k_cache, v_cache, inp.segments, self.scale, masks)
-            h = h + attn.o_proj(o.reshape(n, -1))
-            x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-            mlp = layer.mlp
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            h = h + o_proj(o.reshape(n, -1))[0]
+            gate, up = gate_up_proj(_rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
+            h = h + down_proj(F.silu(gate) * up)[0]
         rows = h[inp.logit_rows.to(self.device)]
-        return F.linear(_rms_norm(rows, self.norm, self.eps), self.lm_head).float()
+        return self.project_logits(_rms_norm(rows, self.norm, self.eps))[0].float()

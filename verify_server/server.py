@@ -62,7 +62,7 @@ class VerifyServer:
         if self.target is None:
             device = resolve_device(cfg.device)
             self.target = await asyncio.to_thread(load_target, cfg.target, device, resolve_dtype(cfg.dtype, device))
-        engine = Engine(cfg, self.target, self.attention)
+        engine = await asyncio.to_thread(Engine, cfg, self.target, self.attention)
         await asyncio.to_thread(engine.warmup)
         engine.start()
         self.engine = engine
@@ -71,7 +71,8 @@ class VerifyServer:
             engine.metrics.serve(cfg.metrics_port, cfg.host)
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("target %s warm in %.1fs: SERVING", self.target.name, time.monotonic() - t0)
+        log.info("target %s warm in %.1fs (%s attention, %s linear): SERVING", self.target.name,
+                 time.monotonic() - t0, self.attention, engine.runner.linear)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -23,6 +23,7 @@ def test_server_section_is_accepted(tmp_path):
     ("max_sessions: many\n", "max_sessions must be an integer"),
     ("max_wait_ms: fast\n", "max_wait_ms must be a number"),
     ("dtype: int8\n", "dtype must be"),
+    ("linear: fast\n", "linear must be auto, onednn or reference"),
     ("colour: blue\n", "unknown server settings ['colour']"),
     ("- a list\n", "expected a mapping"),
 ])
