@@ -13,7 +13,7 @@
    `device-only` (the drafter alone, unverified: each device is its own hardware, so N devices give
    N times one device's measured rate).
 3. `sled` rows use the adaptive draft length (the default); fixed K = 2, 4, 8 run beside it.
-4. Engine speed: decode step at batch 1 against the memory-bandwidth limit, and non-model time per step.
+4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
 
 Inter-token latency: a round that commits n tokens in t seconds gives each of them t / n.
 Writes JSON rows, PNG plots (--out-dir) and its section of docs/benchmarks.md.
@@ -121,29 +121,6 @@ def summarize(mode, n, results, wall, before, after):
     }
 
 
-def copy_bandwidth() -> float:
-    import torch
-
-    x = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB
-    x.fill_(1.0)
-    y = torch.empty_like(x)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        y.copy_(x)
-        times.append(time.perf_counter() - t0)
-    return 2 * x.numel() * 4 / min(times)  # bytes read + written per second
-
-
-def weight_bytes() -> int:
-    import gguf
-
-    from edge_client.models import default_model_path
-
-    reader = gguf.GGUFReader(default_model_path())
-    return 4 * sum(int(np.prod(t.shape)) for t in reader.tensors)  # float32 on the server
-
-
 def plot(rows, out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -239,10 +216,6 @@ def main() -> int:
     finally:
         server.stop()
 
-    bw = copy_bandwidth()
-    wbytes = weight_bytes()
-    limit_ms = wbytes / bw * 1000
-    one = next(r for r in rows if r["mode"] == "server-only" and r["devices"] == min(counts))
     sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
     by = {(r["mode"], r["devices"]): r for r in rows}
 
@@ -289,11 +262,9 @@ def main() -> int:
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
         "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n\n"
         + "\n".join(lines) + "\n\n"
-        "### Engine speed\n\n"
-        f"- decode step at batch 1 (server-only, 1 device): forward {one['server_forward_ms']:.1f} ms, whole step "
-        f"{one['server_step_ms']:.1f} ms; memory-bandwidth limit {limit_ms:.1f} ms ({wbytes / 2**20:.0f} MiB of float32 "
-        f"weights at {bw / 1e9:.1f} GB/s measured copy bandwidth): {one['server_forward_ms'] / limit_ms:.2f}x the limit\n"
-        + overhead + "\n"
+        "### Step time under load\n\n" + overhead
+        + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "
+        "processes sharing the cores: see the engine speed section (`scripts/bench_engine.py`)\n\n"
         "### Adaptive draft length vs fixed K (same replayed drafter, same run)\n\n"
         + "\n".join(alines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )

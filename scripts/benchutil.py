@@ -33,6 +33,23 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
 
 
+def copy_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Best STREAM-style copy bandwidth of torch on this machine, bytes read + written per second.
+
+    The buffers (1 GiB each by default) are far larger than any cache, so this is memory."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        times.append(time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / min(times)
+
+
 def replace_section(md: Path, marker: str, section: str) -> None:
     """Rewrite the section of `md` that starts with `marker` (or append it), leaving the others as they are."""
     text = md.read_text() if md.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"

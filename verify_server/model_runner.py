@@ -27,13 +27,16 @@ class ModelInput:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers' LlamaRMSNorm: normalise in float32, cast back, then scale.
+    # As transformers' LlamaRMSNorm: normalise in float32, cast back, then scale (one op in float32).
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * weight
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.., +1..]:
+    # the sign lives in sin_signed, so this is exact and two ops shorter.
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class ModelRunner:
@@ -73,7 +76,9 @@ class ModelRunner:
         freqs = torch.outer(torch.arange(kv.max_seq_len, dtype=torch.float64), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [max_seq_len, head_dim]
-        self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
+        sin = emb.sin()
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self.device, dtype=self.dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -87,7 +92,7 @@ class ModelRunner:
         n = tokens.shape[0]
         h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.sin_signed[positions].unsqueeze(1)
         masks = causal_masks(inp.segments, self.device, self.num_heads // self.num_kv_heads)
         for i, layer in enumerate(self.layers):
             qkv_proj, o_proj, gate_up_proj, down_proj = self.proj[i]
@@ -95,8 +100,8 @@ class ModelRunner:
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
             k_cache, v_cache = self.kv.k[i], self.kv.v[i]
             k_cache[slots, :, positions] = k
             v_cache[slots, :, positions] = v

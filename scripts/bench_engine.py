@@ -1,0 +1,138 @@
+"""Engine speed: the target's decode step at batch 1 against the memory-bandwidth limit.
+
+    python scripts/bench_engine.py --context 128 --steps 60
+
+At batch 1 a decode step streams every weight once, so its floor is
+weight bytes / copy bandwidth, both measured here: the weights are the model's parameters
+(tied embeddings counted once, as the logits projection reads them), the bandwidth is the
+best STREAM-style copy (bytes read + written per second) of 1 GiB buffers, measured between
+the timing rounds so that both see the same machine load. Each projection kernel
+(`linear: onednn | reference`) runs the same steps, interleaved round by round.
+
+The step is `ModelRunner.forward` for one new token of one session over `--context` cached
+tokens: what the engine runs for a one-session verification, without gRPC or sampling
+(bench_system.py reports the non-model share of a step at 16 sessions).
+Writes its section of docs/benchmarks.md and, with --json, the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.benchutil import copy_bandwidth, machine, publish  # noqa: E402
+
+MARKER = "## Engine speed: decode step at batch 1"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=128, help="cached tokens before the measured step (default 128)")
+    ap.add_argument("--steps", type=int, default=60, help="timed steps per kernel per round (default 60)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, kernels interleaved (default 5)")
+    ap.add_argument("--linear", default="onednn,reference", help="projection kernels to compare (default onednn,reference)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
+    args = ap.parse_args()
+    if args.context < 1 or args.steps < 1 or args.rounds < 1:
+        ap.error("--context, --steps and --rounds must be positive")
+
+    import torch
+    from tqdm import tqdm
+
+    from kernels.attention import Segment
+    from verify_server.kv_cache import KVCache
+    from verify_server.model_loader import load_target
+    from verify_server.model_runner import ModelInput, ModelRunner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print("[bench] loading the target (SmolLM2-135M-Instruct, float32, CPU) ...", flush=True)
+    target = load_target(None, torch.device("cpu"), torch.float32)
+    cfg = target.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, args.context + 8, head_dim, torch.float32,
+                 torch.device("cpu"))
+    kinds = [k.strip() for k in args.linear.split(",") if k.strip()]
+    runners = {k: ModelRunner(target.model, kv, "sdpa", k) for k in kinds}
+    wbytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+
+    slot = kv.allocate()
+    ids = torch.randint(3, cfg.vocab_size, (args.context + 1,), generator=torch.Generator().manual_seed(0))
+    prefill = ModelInput(ids[:-1], torch.arange(args.context), torch.full((args.context,), slot),
+                         [Segment(slot, 0, args.context, args.context)], torch.tensor([args.context - 1]))
+    step = ModelInput(ids[-1:], torch.tensor([args.context]), torch.tensor([slot]),
+                      [Segment(slot, 0, 1, args.context + 1)], torch.tensor([0]))
+    logits = {}
+    for kind, runner in runners.items():
+        runner.forward(prefill)
+        logits[kind] = runner.forward(step)
+    for kind in kinds[1:]:
+        diff = (logits[kind] - logits[kinds[0]]).abs().max().item()
+        print(f"[bench] {kind} vs {kinds[0]}: max logit difference {diff:.2e}", flush=True)
+
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    ratios: dict[str, list[float]] = {k: [] for k in kinds}
+    bandwidths = [copy_bandwidth()]
+    for _ in tqdm(range(args.rounds), desc="engine", unit="round"):
+        round_times = {}
+        for kind, runner in runners.items():
+            for _ in range(3):
+                runner.forward(step)
+            ts = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                runner.forward(step)
+                ts.append(time.perf_counter() - t0)
+            times[kind] += ts
+            round_times[kind] = statistics.median(ts)
+        bandwidths.append(copy_bandwidth())
+        # Side by side: this round's steps against the better of the bandwidths measured just before and after.
+        round_limit = wbytes / max(bandwidths[-2:])
+        for kind in kinds:
+            ratios[kind].append(round_times[kind] / round_limit)
+    bw_best, bw_median = max(bandwidths), statistics.median(bandwidths)
+    limit_ms = wbytes / bw_median * 1000
+
+    rows = []
+    lines = ["| projection kernel | step p50 ms | step p10 ms | p50 / limit, per round (median) | "
+             "p50 / limit at the best bandwidth |", "|---|---:|---:|---:|---:|"]
+    for kind in kinds:
+        ts = sorted(times[kind])
+        p50, p10 = statistics.median(ts) * 1000, ts[len(ts) // 10] * 1000
+        ratio, strict = statistics.median(ratios[kind]), p50 / (wbytes / bw_best * 1000)
+        rows.append({"linear": kind, "step_p50_ms": p50, "step_p10_ms": p10, "limit_ms": limit_ms,
+                     "ratio": ratio, "ratio_best_bandwidth": strict, "weight_bytes": wbytes,
+                     "copy_bandwidths_bytes_per_s": bandwidths, "context": args.context,
+                     "threads": torch.get_num_threads()})
+        lines.append(f"| {kind} | {p50:.1f} | {p10:.1f} | {ratio:.2f}x | {strict:.2f}x |")
+        print(f"[bench] {kind}: step p50 {p50:.1f} ms, p10 {p10:.1f} ms, {ratio:.2f}x the limit "
+              f"({strict:.2f}x at the best bandwidth)", flush=True)
+    section = (
+        f"{MARKER}\n\n"
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
+        f"- machine: {machine()} (no GPU), {torch.get_num_threads()} torch threads\n"
+        f"- command: `python scripts/bench_engine.py {' '.join(sys.argv[1:])}`\n"
+        f"- step: `ModelRunner.forward`, one new token of one session over {args.context} cached tokens, "
+        f"{args.rounds} rounds × {args.steps} steps per kernel, kernels interleaved\n"
+        f"- limit: {wbytes / 2**20:.0f} MiB of float32 weights / copy bandwidth (STREAM-style, bytes read + written, "
+        f"1 GiB buffers), measured before the first round and after each: "
+        + ", ".join(f"{b / 1e9:.1f}" for b in bandwidths) + " GB/s; at the median "
+        + f"{bw_median / 1e9:.1f} GB/s the limit is {limit_ms:.1f} ms, at the best {bw_best / 1e9:.1f} GB/s "
+        + f"{wbytes / bw_best * 1000:.1f} ms. Each round's steps are compared with the better bandwidth measured "
+        "just before and after them.\n\n" + "\n".join(lines) + "\n"
+    )
+    publish(args.markdown, MARKER, section, args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
