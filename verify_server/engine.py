@@ -331,9 +331,12 @@ class Engine:
         for d in drafts:
             row_start.append(row_start[-1] + len(d) + 1)
         while live:
-            rows = torch.cat([torch.arange(row_start[i], row_start[i + 1]) for i in live])
+            if len(live) == len(works):
+                live_logits = logits  # the common case: no copy
+            else:
+                live_logits = logits[torch.cat([torch.arange(row_start[i], row_start[i + 1]) for i in live])]
             try:
-                ver = self._sample([works[i] for i in live], [drafts[i] for i in live], logits[rows])
+                ver = self._sample([works[i] for i in live], [drafts[i] for i in live], live_logits)
                 break
             except NonFiniteLogitsError as err:
                 for j in err.request_indices:

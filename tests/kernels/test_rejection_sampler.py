@@ -78,6 +78,11 @@ def test_nan_or_inf_logits_raise_naming_the_request():
     with pytest.raises(NonFiniteLogitsError) as err:
         rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]), batch([1.0, 1.0]))
     assert err.value.request_indices == [0]
+    logits[0, 3] = 0.0
+    logits[2, V - 1] = float("-inf")  # the last column, where a reduction's tail is handled apart
+    with pytest.raises(NonFiniteLogitsError) as err:
+        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]), batch([0.0, 0.0]))
+    assert err.value.request_indices == [1]
 
 
 def test_draft_token_outside_q_support_is_rejected():
