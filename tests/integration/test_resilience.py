@@ -82,13 +82,15 @@ def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max
     def on_text(piece, verified):
         if not state["stopped"] and len(result_tokens()) >= 10:
             state["stopped"] = True
-            threading.Thread(target=outage).start()
+            # Stopped here, before the next draft goes out: stopped from another thread, a fast server
+            # finished the whole generation within its graceful-stop window and there was no outage.
+            server.stop()
+            if restart:
+                threading.Thread(target=come_back).start()
 
-    def outage():
-        server.stop()
-        if restart:
-            time.sleep(1.0)
-            replacement["server"] = make_server(port=port)
+    def come_back():
+        time.sleep(1.0)
+        replacement["server"] = make_server(port=port)
 
     holder = {}
 
