@@ -15,6 +15,7 @@ the weights (the model keeps its own), which is the price of the switch.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -65,6 +66,7 @@ def linear_onednn(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor
 LINEAR: dict[str, Callable[..., Linear]] = {"reference": linear_reference, "onednn": linear_onednn}
 
 
+@functools.cache  # the probe runs once per process and dtype
 def onednn_works(dtype: torch.dtype) -> bool:
     """Whether the onednn linear runs here for `dtype` and agrees with the reference on a probe."""
     try:
