@@ -6,7 +6,6 @@ import codecs
 from pathlib import Path
 
 import jinja2.sandbox
-import llama_cpp
 
 from sled.v1.fingerprint import vocab_fingerprint
 
@@ -15,6 +14,8 @@ from .models import quiet_native_stderr, resolve_model_path
 
 class Tokenizer:
     def __init__(self, model_path: str | Path | None = None):
+        import llama_cpp  # here, not at module level: generation and transport run without llama.cpp
+
         self.path = resolve_model_path(model_path)
         with quiet_native_stderr():
             self._llm = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)

@@ -15,6 +15,12 @@
 3. `sled` rows use the adaptive draft length (the default); fixed K = 2, 4, 8 run beside it.
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
 
+GPU capacity runs (`--target random:llama-1b`): the target is a Llama of that shape with random weights, whose text
+the real drafter cannot predict. Drafts are then synthesized from the target's own greedy output instead: each
+drafted position carries the target's next token with probability `--draft-match` (else another token), so the
+acceptance is controlled; `--device-ms-per-token` gives the drafting time. Where llama.cpp is not installed, the
+devices' tokenizer is the same vocabulary read through transformers.
+
 Inter-token latency: a round that commits n tokens in t seconds gives each of them t / n.
 Writes JSON rows, PNG plots (--out-dir) and its section of docs/benchmarks.md.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import sys
 import time
 from datetime import datetime, timezone
@@ -37,10 +44,9 @@ from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
-from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
+from scripts.benchutil import ServerProcess, device_tokenizer, gpu_name, machine, publish  # noqa: E402
 
 
 class ReplayDrafter:
@@ -48,14 +54,16 @@ class ReplayDrafter:
 
     name = "replay"
 
-    def __init__(self, rounds: dict[int, list[int]], seconds_per_token: float):
-        self.rounds, self.spt = rounds, seconds_per_token
+    def __init__(self, rounds: dict[int, list[int]], seconds_per_token: float, full: list[int] | None = None):
+        self.rounds, self.spt, self.prefixes = rounds, seconds_per_token, full
 
     def begin(self, context, sampling):
         pass
 
     def propose(self, context, k):
         tokens = self.rounds.get(len(context), [])[:k]
+        if tokens and self.prefixes is not None and list(context) != self.prefixes[:len(context)]:
+            tokens = []  # the output left the recorded one: the recording has nothing for this context
         time.sleep(self.spt * len(tokens))
         return Proposal(list(tokens))
 
@@ -80,6 +88,30 @@ def record_tables(address, tokenizer, prompt_ids, max_tokens) -> list[dict[int, 
         drafter.begin(list(ids), SamplingParams())
         tables.append({n: drafter.propose(full[:n], K_MAX).token_ids for n in range(len(ids), len(full))})
     drafter.close()
+    return tables
+
+
+def greedy_outputs(address, tokenizer, prompt_ids, max_tokens) -> list[list[int]]:
+    """Per prompt: the prompt and the target's greedy output after it (the server decoding every token)."""
+    runs, _, _, _ = asyncio.run(run_devices(address, tokenizer, [create_drafter("none") for _ in prompt_ids],
+                                            prompt_ids, max_tokens, 0, adaptive=False))
+    return [list(ids) + run.token_ids for ids, run in zip(prompt_ids, runs)]
+
+
+def synthesize_tables(fulls: list[list[int]], prompt_lens: list[int], match: float, vocab_size: int,
+                      seed: int = 0) -> list[dict[int, list[int]]]:
+    """Per prompt: context length -> K_MAX drafted tokens, each the target's greedy next token with probability
+    `match`, else a different token. Seeded, so every mode and K replays the same drafts."""
+    rng = np.random.default_rng(seed)
+    tables = []
+    for full, start in zip(fulls, prompt_lens):
+        table = {}
+        for n in range(start, len(full)):
+            draft = []
+            for tok in full[n:n + K_MAX]:
+                draft.append(tok if rng.random() < match else int((tok + 1 + rng.integers(vocab_size - 1)) % vocab_size))
+            table[n] = draft
+        tables.append(table)
     return tables
 
 
@@ -160,35 +192,66 @@ def main() -> int:
     ap.add_argument("--max-wait-ms", type=float, default=3.0, help="the server's batching window (default 3)")
     ap.add_argument("--device-ms-per-token", type=float,
                     help="drafting time per token on a device (default: measured here for llama.cpp Q4_1, 1 thread)")
+    ap.add_argument("--target", metavar="SPEC",
+                    help="the server's target (default: SmolLM2-135M-Instruct); random:llama-1b or random:llama-8b for "
+                         "a GPU capacity run, with synthesized drafts")
+    ap.add_argument("--draft-match", type=float,
+                    help="synthesize drafts from the target's greedy output, each position right with this "
+                         "probability (default for random targets: 0.95), instead of replaying llama.cpp's proposals")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG=VALUE",
+                    help="extra sled-server flag, e.g. --server-arg=--dtype=bfloat16 (repeatable)")
     ap.add_argument("--json", metavar="FILE", help="write all rows as JSON")
     ap.add_argument("--out-dir", default=str(ROOT / "runs" / "bench_system"), help="where PNG plots go")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()
     counts = [int(x) for x in args.devices.split(",")]
     top = max(counts)
+    random_target = bool(args.target and args.target.startswith("random:"))
+    if args.draft_match is None and random_target:
+        args.draft_match = 0.95
+    if args.draft_match is not None and not 0 <= args.draft_match <= 1:
+        ap.error("--draft-match must be in [0, 1]")
+    if args.device_ms_per_token is not None and args.device_ms_per_token <= 0:
+        ap.error("--device-ms-per-token must be positive")
+    if importlib.util.find_spec("llama_cpp") is None and (args.draft_match is None or args.device_ms_per_token is None):
+        ap.error("llama.cpp is not installed here: give --draft-match and --device-ms-per-token")
+    extra = [a for arg in args.server_arg for a in arg.split("=", 1)]
+    if args.target:
+        extra += ["--target", args.target]
 
     rows, adaptive_rows = [], []
     server = ServerProcess("--max-sessions", str(top + 2), "--max-seq-len", "512", "--max-batch-sessions", str(top),
-                           "--max-batch-tokens", str(max(512, top * 10)), "--max-wait-ms", str(args.max_wait_ms))
+                           "--max-batch-tokens", str(max(512, top * 10)), "--max-wait-ms", str(args.max_wait_ms),
+                           *extra)
     address = server.start()
     try:
-        tokenizer = Tokenizer()
+        tokenizer = device_tokenizer()
         ids = prompts(tokenizer, args.recordings)
-        print(f"[bench] recording the llama.cpp drafter's proposals along {args.recordings} greedy outputs ...",
-              flush=True)
-        tables = record_tables(address, tokenizer, ids, args.max_tokens)
-        # Device-only, and the device's drafting time: one drafter alone, unverified, on this machine.
-        alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
-        context = list(ids[0])
-        alone.begin(context, SamplingParams())
-        t1 = time.perf_counter()
-        for _ in range(args.max_tokens):
-            context += alone.propose(context, 1).token_ids
-        device_spt = (time.perf_counter() - t1) / args.max_tokens
-        alone.close()
-        spt = args.device_ms_per_token / 1000 if args.device_ms_per_token else device_spt
-        print(f"[bench] one llama.cpp drafter alone: {device_spt * 1000:.1f} ms/token; replay uses "
-              f"{spt * 1000:.1f} ms/token", flush=True)
+        fulls = None
+        if args.draft_match is not None:
+            print(f"[bench] synthesizing drafts from the target's greedy outputs ({args.recordings} prompts, "
+                  f"each position right with probability {args.draft_match:g}) ...", flush=True)
+            fulls = greedy_outputs(address, tokenizer, ids, args.max_tokens)
+            tables = synthesize_tables(fulls, [len(i) for i in ids], args.draft_match, tokenizer.vocab_size)
+        else:
+            print(f"[bench] recording the llama.cpp drafter's proposals along {args.recordings} greedy outputs ...",
+                  flush=True)
+            tables = record_tables(address, tokenizer, ids, args.max_tokens)
+        if args.device_ms_per_token is not None:
+            device_spt = args.device_ms_per_token / 1000
+            print(f"[bench] drafting time per token as given: {device_spt * 1000:.1f} ms", flush=True)
+        else:
+            # Device-only, and the device's drafting time: one drafter alone, unverified, on this machine.
+            alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
+            context = list(ids[0])
+            alone.begin(context, SamplingParams())
+            t1 = time.perf_counter()
+            for _ in range(args.max_tokens):
+                context += alone.propose(context, 1).token_ids
+            device_spt = (time.perf_counter() - t1) / args.max_tokens
+            alone.close()
+            print(f"[bench] one llama.cpp drafter alone: {device_spt * 1000:.1f} ms/token", flush=True)
+        spt = device_spt
 
         plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive")]
         for n, mode in tqdm(plan, desc="system", unit="config"):
@@ -198,7 +261,8 @@ def main() -> int:
                                               prompts_n, args.max_tokens, 0, adaptive=False))
                 rows.append(summarize(mode, n, *res))
                 continue
-            drafters = [ReplayDrafter(tables[i % len(tables)], spt) for i in range(n)]
+            drafters = [ReplayDrafter(tables[i % len(tables)], spt, fulls[i % len(fulls)] if fulls else None)
+                        for i in range(n)]
             k = args.draft_tokens if mode == "adaptive" else int(mode)
             res = asyncio.run(run_devices(address, tokenizer, drafters, prompts_n, args.max_tokens, k,
                                           adaptive=mode == "adaptive"))
@@ -250,13 +314,21 @@ def main() -> int:
         overhead = (f"- non-model time per step at 16 sessions (scheduling, sampling, commit; step − forward): "
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
+    gpu = gpu_name()
+    if args.draft_match is not None:
+        target_line = (f"- target: {args.target or 'SmolLM2-135M-Instruct'} on the server's default device and dtype"
+                       f"{' (random weights)' if random_target else ''}; drafts: synthesized from the target's greedy "
+                       f"output, each drafted position right with probability {args.draft_match:g}, ")
+    else:
+        target_line = ("- target: SmolLM2-135M-Instruct float32 on CPU; drafts: llama.cpp Q4_1's greedy proposals, "
+                       "recorded and ")
     section = (
         "## System benchmark: SLED vs server-only vs device-only\n\n"
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
-        f"- machine: {machine()} (no GPU)\n"
+        f"- machine: {machine()}" + (f", GPU: {gpu} (the server's)" if gpu else " (no GPU)") + "\n"
         f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
-        f"- target: SmolLM2-135M-Instruct float32 on CPU; drafts: llama.cpp Q4_1's greedy proposals, recorded and "
-        f"replayed at {spt * 1000:.1f} ms/token of drafting per device (one drafter alone here); `sled` uses the "
+        + target_line
+        + f"replayed at {spt * 1000:.1f} ms/token of drafting per device; `sled` uses the "
         f"adaptive draft length (default, K ≤ {K_MAX}); {args.max_tokens} greedy tokens per device\n"
         f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"

@@ -33,6 +33,74 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
 
 
+def gpu_name() -> str | None:
+    """The first CUDA device's name, or None (also when torch is missing)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+class TransformersTokenizer:
+    """The default GGUF's tokenizer through transformers, for benchmark runs where llama.cpp is not installed
+    (a GPU machine): what the benchmarks and `generate` use of the device's tokenizer, same ids and fingerprint."""
+
+    def __init__(self):
+        from transformers import AutoTokenizer
+
+        from sled.v1.fingerprint import vocab_fingerprint
+        from verify_server.model_loader import default_model_path
+
+        gguf = default_model_path()
+        self._tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        self.vocab_size = len(self._tok)
+        self.eos_token_id = self._tok.eos_token_id
+        tokens = self._tok.convert_ids_to_tokens(list(range(self.vocab_size)))
+        self.fingerprint = vocab_fingerprint([t if t is not None else "" for t in tokens])
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def stream_decoder(self) -> "_CumulativeDecoder":
+        return _CumulativeDecoder(self)
+
+
+class _CumulativeDecoder:
+    def __init__(self, tokenizer: TransformersTokenizer):
+        self._tok, self._ids, self._text = tokenizer, [], ""
+
+    def feed(self, token_ids: list[int]) -> str:
+        self._ids += token_ids
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):  # a split UTF-8 sequence: wait for the rest
+            return ""
+        new, self._text = text[len(self._text):], text
+        return new
+
+    def flush(self) -> str:
+        text = self._tok.decode(self._ids)
+        new, self._text = text[len(self._text):], text
+        return new
+
+
+def device_tokenizer():
+    """The device's llama.cpp tokenizer, or the same vocabulary through transformers where llama.cpp is missing."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return TransformersTokenizer()
+    from edge_client.tokenizer import Tokenizer
+
+    return Tokenizer()
+
+
 def copy_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     """Best STREAM-style copy bandwidth of torch on this machine, bytes read + written per second.
 

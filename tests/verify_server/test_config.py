@@ -25,6 +25,8 @@ def test_server_section_is_accepted(tmp_path):
     ("dtype: int8\n", "dtype must be"),
     ("linear: fast\n", "linear must be auto, onednn or reference"),
     ("colour: blue\n", "unknown server settings ['colour']"),
+    ("target: random:llama-3b\n", "random target must be random:NAME (llama-1b, llama-8b, llama-tiny)"),
+    ("target: random:/nowhere/shape.json\n", "random target config /nowhere/shape.json does not exist"),
     ("- a list\n", "expected a mapping"),
 ])
 def test_bad_settings_raise_value_error(tmp_path, text, needle):
@@ -38,3 +40,16 @@ def test_bad_settings_raise_value_error(tmp_path, text, needle):
 def test_config_is_frozen():
     with pytest.raises(Exception):
         ServerConfig().port = 1
+
+
+def test_random_target_shapes_from_names_and_json(tmp_path):
+    from verify_server.model_loader import random_target_shape
+
+    assert load_config(None, target="random:llama-1b").target == "random:llama-1b"
+    assert random_target_shape("random:llama-8b")["num_hidden_layers"] == 32
+    f = tmp_path / "shape.json"
+    f.write_text('{"hidden_size": 32, "num_hidden_layers": 1}')
+    assert random_target_shape(f"random:{f}") == {"hidden_size": 32, "num_hidden_layers": 1}
+    f.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        load_config(None, target=f"random:{f}")

@@ -1,0 +1,85 @@
+"""Random-weight Llama targets (GPU capacity runs): same vocabulary as the devices, exact verification,
+and the benchmark's synthesized drafts at a controlled match rate."""
+
+import asyncio
+
+import pytest
+import torch
+
+from kernels.attention import Segment
+from tests.conftest import ServerThread, run
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from verify_server.model_loader import load_target
+
+    return load_target("random:llama-tiny", torch.device("cpu"), torch.float32)
+
+
+def test_random_target_speaks_the_devices_vocabulary(tiny, tokenizer):
+    assert tiny.vocab_size == tokenizer.vocab_size == 49152
+    assert tiny.fingerprint == tokenizer.fingerprint
+    assert tiny.eos_token_ids == (tokenizer.eos_token_id,)
+    cfg = tiny.model.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    assert "random weights" in tiny.name
+
+
+def test_runner_matches_transformers_on_the_random_shape(tiny):
+    from verify_server.kv_cache import KVCache
+    from verify_server.model_runner import ModelInput, ModelRunner
+
+    cfg = tiny.model.config
+    kv = KVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 32, cfg.head_dim, torch.float32,
+                 torch.device("cpu"))
+    ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2])
+    with torch.inference_mode():
+        want = tiny.model(ids[None]).logits[0]
+    runner = ModelRunner(tiny.model, kv)
+    slot = kv.allocate()
+    got = runner.forward(ModelInput(ids[:6], torch.arange(6), torch.full((6,), slot), [Segment(slot, 0, 6, 6)],
+                                    torch.arange(6)))
+    assert torch.allclose(got, want[:6], atol=1e-4)
+    got = runner.forward(ModelInput(ids[6:], torch.arange(6, 10), torch.full((4,), slot), [Segment(slot, 0, 4, 10)],
+                                    torch.arange(4)))
+    assert torch.allclose(got, want[6:], atol=1e-4)
+
+
+def test_synthesized_drafts_verify_to_the_targets_own_greedy_text(tiny, tokenizer):
+    from edge_client.generation import generate
+    from edge_client.transport import VerifierClient
+    from scripts.bench_system import ReplayDrafter, greedy_outputs, prompts, synthesize_tables
+    from verify_server.config import ServerConfig
+
+    server = ServerThread(ServerConfig(host="127.0.0.1", port=0, max_sessions=8, max_seq_len=256, seed=0,
+                                       target="random:llama-tiny"), tiny).load()
+    try:
+        ids = prompts(tokenizer, 3)
+        fulls = greedy_outputs(server.address, tokenizer, ids, 24)
+        assert all(len(f) == len(i) + 24 for f, i in zip(fulls, ids))
+        tables = synthesize_tables(fulls, [len(i) for i in ids], 0.7, tokenizer.vocab_size)
+        # The synthesized drafts agree with the greedy output at about the asked rate.
+        pairs = [(tok, full[n + j]) for table, full in zip(tables, fulls) for n, draft in table.items()
+                 for j, tok in enumerate(draft)]
+        assert 0.6 < sum(a == b for a, b in pairs) / len(pairs) < 0.8
+
+        async def sled():
+            client = VerifierClient(server.address)
+            try:
+                return await asyncio.gather(*[
+                    generate(client, ReplayDrafter(t, 0.0, f), tokenizer, i, max_tokens=24, draft_tokens=4,
+                             adaptive=False) for t, f, i in zip(tables, fulls, ids)])
+            finally:
+                await client.close()
+
+        results = run(sled())
+        for result, full, prompt in zip(results, fulls, ids):
+            assert result.token_ids == full[len(prompt):]
+        accepted = sum(r.accepted_tokens for r in results)
+        drafted = sum(r.draft_tokens for r in results)
+        assert 0 < accepted < drafted
+    finally:
+        server.stop()
