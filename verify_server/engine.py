@@ -11,6 +11,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent import futures
+from concurrent.futures import Executor
 from typing import Callable
 
 import torch
@@ -52,6 +54,7 @@ class Engine:
         self._pending: list[VerifyWork] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loop_done: futures.Future | None = None
         self._seeds = random.Random(config.seed)
         self._default_gen = torch.Generator().manual_seed(self._seeds.getrandbits(63))
         self._last_sweep = time.monotonic()
@@ -119,14 +122,21 @@ class Engine:
         for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self._cost_sums[i] += sign * v
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="sled-engine", daemon=True)
-        self._thread.start()
+    def start(self, executor: Executor | None = None) -> None:
+        """Run the step loop on `executor`'s thread, best the one that built the engine (see VerifyServer), or
+        on a new thread."""
+        if executor is not None:
+            self._loop_done = executor.submit(self._run)
+        else:
+            self._thread = threading.Thread(target=self._run, name="sled-engine", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._loop_done is not None:
+            futures.wait([self._loop_done], timeout=30)
         for work in self._pending:
             work.reply(SledError("UNAVAILABLE", "server is shutting down; reopen with the full context"))
         self._pending.clear()
