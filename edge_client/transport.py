@@ -13,6 +13,9 @@ from . import codec
 from .drafters.base import Proposal
 
 
+CORE_WRITE_FAILED = "Internal error from Core"
+
+
 class VerifyError(Exception):
     """The server refused or the link failed; `code` is the gRPC status code name."""
 
@@ -23,7 +26,12 @@ class VerifyError(Exception):
 
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> "VerifyError":
-        return cls(err.code().name, err.details() or "")
+        code, details = err.code().name, err.details() or ""
+        if code == "INTERNAL" and details == CORE_WRITE_FAILED:
+            # grpc.aio reports a write on a stream that Core has already closed (the server went away or is
+            # shutting down) as this INTERNAL, hiding the stream's real status (grpc/grpc#36066): a lost link.
+            return cls("UNAVAILABLE", f"the stream closed under a write ({details})")
+        return cls(code, details)
 
 
 class VerifierClient:

@@ -1,0 +1,209 @@
+"""Drafting ahead (drafting on while a draft is verified) must leave the output distribution untouched.
+
+A four-token world: the target's next-token distribution P and the drafter's Q depend on the last token only,
+and differ. A fake verifier does textbook rejection sampling (Leviathan et al.) after a short wait, so the
+device drafts ahead during it; the drafter is the real KVDrafter logic over a logits table. Over thousands of
+runs, consecutive generated tokens must follow P, and every drafted token must go out with the distribution the
+drafter sampled it from at the context it is verified in (a q shifted by one, or tokens drafted ahead for a
+context that did not happen, fail that check exactly, where the statistics would see them only weakly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from edge_client import codec
+from edge_client.drafters.base import DrafterOptions, Proposal
+from edge_client.drafters.kv_drafter import KVDrafter
+from edge_client.generation import generate
+from edge_client.sampling import SamplingParams
+
+V, EOS = 4, 99  # EOS outside the vocabulary: generations end by length
+P = np.array([[0.05, 0.75, 0.10, 0.10],
+              [0.70, 0.05, 0.15, 0.10],
+              [0.15, 0.10, 0.65, 0.10],
+              [0.05, 0.10, 0.15, 0.70]])
+# Close enough to P that many rounds are accepted whole (and drafts made ahead get used), far enough that a q
+# sent for the wrong token or position shows.
+Q = 0.5 * P + 0.5 * np.array([[0.40, 0.30, 0.20, 0.10],
+                              [0.20, 0.30, 0.30, 0.20],
+                              [0.70, 0.10, 0.10, 0.10],
+                              [0.05, 0.05, 0.10, 0.80]])
+# Greedy: P_GREEDY's argmax chain from 3 is 2 0 1 0 1 0 ..., Q_GREEDY's is 2 0 1 2 0 1 ...: some rounds are
+# accepted whole with the bonus token the drafter guessed (a hit), others are not.
+P_GREEDY = np.array([[0.1, 0.7, 0.1, 0.1],
+                     [0.7, 0.1, 0.1, 0.1],
+                     [0.7, 0.1, 0.1, 0.1],
+                     [0.1, 0.1, 0.7, 0.1]])
+Q_GREEDY = np.array([[0.1, 0.7, 0.1, 0.1],
+                     [0.1, 0.1, 0.7, 0.1],
+                     [0.7, 0.1, 0.1, 0.1],
+                     [0.1, 0.1, 0.7, 0.1]])
+PROMPT = [0, 3]
+N_TOKENS = 12
+
+
+class TableDrafter(KVDrafter):
+    """KVDrafter over a table: the logits after a context are log table[last token]."""
+
+    name = "table"
+
+    def __init__(self, table=Q):
+        super().__init__(DrafterOptions(top_k_cap=V), EOS, 4096)
+        self.table = table
+        self.proposed = 0  # tokens drafted, used or not
+
+    def propose(self, context, k):
+        proposal = super().propose(context, k)
+        self.proposed += len(proposal.token_ids)
+        return proposal
+
+    def _eval(self, tokens):
+        return np.log(self.table[tokens[-1]]).astype(np.float32)
+
+    def _truncate(self, length):
+        pass
+
+
+MISSENT: list[tuple] = []  # drafted tokens whose q was not the drafter's distribution at their context
+
+
+class FakeSession:
+    """Verifies with rejection sampling against P after `delay` seconds, as a server would. It also checks that
+    each drafted token comes with the drafter's distribution at the context it is verified in (Q's row of the
+    token before it): the q it was sampled from, whether it was drafted ahead or not."""
+
+    def __init__(self, context, max_tokens, seed, delay, target=P):
+        self.context, self.left, self.delay, self.target = list(context), max_tokens, delay, target
+        self.rng = np.random.default_rng(seed)
+        self.opened = codec.Opened("s", 8, V, 4096, "table")
+
+    async def verify(self, round_, proposal: Proposal) -> codec.Verdict:
+        await asyncio.sleep(self.delay)
+        if proposal.q_ids is not None:
+            for last, x, ids, probs in zip(self.context[-1:] + proposal.token_ids, proposal.token_ids,
+                                           proposal.q_ids, proposal.q_probs):
+                sent = np.zeros(V)
+                sent[ids] = probs
+                if not np.allclose(sent, Q[last], atol=1e-5):
+                    MISSENT.append((last, x, sent, Q[last]))
+        n, out = 0, None
+        for i, x in enumerate(proposal.token_ids):
+            p = self.target[self.context[-1]]
+            if proposal.q_ids is None:  # greedy
+                if x == int(np.argmax(p)):
+                    self.context.append(x)
+                    n += 1
+                    if n == self.left:
+                        break
+                    continue
+                out = int(np.argmax(p))
+                break
+            q = dict(zip(proposal.q_ids[i].tolist(), proposal.q_probs[i].tolist()))
+            if self.rng.random() < min(1.0, p[x] / q[x]):
+                self.context.append(x)
+                n += 1
+                if n == self.left:
+                    break
+                continue
+            residual = np.maximum(p - np.array([q.get(t, 0.0) for t in range(V)]), 0)
+            out = int(self.rng.choice(V, p=residual / residual.sum()))
+            break
+        if out is None and n < self.left:
+            p = self.target[self.context[-1]]
+            out = int(np.argmax(p)) if proposal.q_ids is None else int(self.rng.choice(V, p=p))
+        if out is not None:
+            self.context.append(out)
+        self.left -= n + (out is not None)
+        return codec.Verdict(round_, n, out, self.left <= 0, "length" if self.left <= 0 else None, token_ms=1.0)
+
+    async def close(self):
+        pass
+
+    def cancel(self):
+        pass
+
+
+class FakeClient:
+    auth_token = None
+
+    def __init__(self, seed, delay, max_tokens=N_TOKENS, target=P):
+        self.seed, self.delay, self.max_tokens, self.target = seed, delay, max_tokens, target
+
+    async def open(self, msg, timeout=None, wait_for_ready=True):
+        return FakeSession(PROMPT, self.max_tokens, self.seed, self.delay, self.target)
+
+
+TOKENIZER = SimpleNamespace(eos_token_id=EOS, fingerprint="table",
+                            stream_decoder=lambda: SimpleNamespace(feed=lambda ids: "", flush=lambda: ""))
+
+
+async def _runs(n, draft_ahead, seeded, delay=0.003, drafters=None):
+    MISSENT.clear()
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=64))
+
+    async def one(i):
+        drafter = TableDrafter()
+        if drafters is not None:
+            drafters.append(drafter)
+        sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
+        return await generate(FakeClient(10_000 + i, delay), drafter, TOKENIZER, PROMPT, max_tokens=N_TOKENS,
+                               sampling=sampling, draft_tokens=2, adaptive=False, draft_ahead=draft_ahead)
+
+    results = []
+    for start in range(0, n, 200):
+        results += await asyncio.gather(*[one(i) for i in range(start, min(n, start + 200))])
+    return results
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-draws", "fresh-draws"])
+def test_drafting_ahead_keeps_the_target_distribution(seeded):
+    """P is a Markov chain, so every generated token, given the one before it, must follow that token's row of P:
+    the transition counts over all runs and positions are checked row by row (chi-square)."""
+    results = asyncio.run(_runs(3000, True, seeded))
+    assert all(len(r.token_ids) == N_TOKENS for r in results)
+    assert not MISSENT, MISSENT[:3]
+    assert sum(r.ahead_tokens for r in results) > 0.08 * sum(r.draft_tokens for r in results)  # ahead drafts were used
+    counts = np.zeros((V, V))
+    for r in results:
+        seq = PROMPT[-1:] + r.token_ids
+        for a, b in zip(seq, seq[1:]):
+            counts[a, b] += 1
+    for a in range(V):
+        assert chisquare(counts[a], P[a] * counts[a].sum()).pvalue > 1e-4, (a, counts[a] / counts[a].sum(), P[a])
+
+
+def test_greedy_hits_continue_and_misses_are_dropped():
+    async def main():
+        drafter = TableDrafter(Q_GREEDY)
+        result = await generate(FakeClient(0, 0.003, max_tokens=30, target=P_GREEDY), drafter, TOKENIZER, PROMPT, max_tokens=30,
+                                draft_tokens=2, adaptive=False)
+        return drafter, result
+
+    drafter, result = asyncio.run(main())
+    want, last = [], PROMPT[-1]
+    for _ in range(30):
+        last = int(np.argmax(P_GREEDY[last]))
+        want.append(last)
+    assert result.token_ids == want
+    assert 0 < result.ahead_rounds < result.rounds - 1  # hits and misses both happened
+    context = PROMPT + result.token_ids
+    assert drafter._evaluated == context[:len(drafter._evaluated)]  # nothing drafted ahead stayed in its cache
+
+
+def test_seeded_runs_repeat_exactly_however_much_was_drafted_ahead():
+    """How many tokens a device drafts ahead depends on timing; with a seed, the text must not."""
+    counts = {}
+    texts = {}
+    for name, ahead, delay in (("plain", False, 0.002), ("ahead-short", True, 0.0005), ("ahead-long", True, 0.004)):
+        drafters = []
+        texts[name] = [r.token_ids for r in asyncio.run(_runs(200, ahead, True, delay, drafters))]
+        counts[name] = sum(d.proposed for d in drafters)
+    assert texts["plain"] == texts["ahead-short"] == texts["ahead-long"]
+    assert counts["ahead-long"] > counts["plain"]  # drafting ahead drew tokens that were never sent
