@@ -6,6 +6,11 @@ average and takes k * t_draft + rtt_fixed + c * (k + 1), where t_draft is this d
 drafting time per token, c the server's marginal cost of one more token in a step (the slope
 of its step time over step tokens on recent steps, reported in every Verdict) and rtt_fixed the
 rest of the round trip (network, queueing). Low acceptance, slow drafting or a loaded server shorten the draft; the opposite lengthens it.
+
+With drafting ahead (the device drafts on while its draft is verified), a round that is accepted whole with the
+bonus token the drafter guessed (probability about alpha^(k+1)) leaves the next draft made during the round
+trip, so only max(0, (k+1) * t_draft - rtt) of drafting is left before it goes out; any other round drafts all k
+after the verdict. Drafting ahead thus favours drafts short enough to be ready within one round trip.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ class RoundSample:
     draft_s: float  # time spent drafting this round
     rtt_s: float  # Draft sent -> Verdict received
     server_token_s: float  # the server's marginal cost of one more token
+    draft_token_s: float | None = None  # the drafter's time per token over all its drafting, ahead included
 
 
 class AdaptiveDraftLength:
-    def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, window: int = 16):
+    def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, window: int = 16, ahead: bool = False):
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
-        self.k_max, self.k_min = k_max, k_min
+        self.k_max, self.k_min, self.ahead = k_max, k_min, ahead
         self.k = min(max(k_initial, k_min), k_max)
         self.samples: deque[RoundSample] = deque(maxlen=window)
 
@@ -45,13 +51,20 @@ class AdaptiveDraftLength:
         if len(self.samples) < 2:
             return self.k
         alpha = self.acceptance()
-        drafted = sum(s.drafted for s in self.samples)
-        t_draft = sum(s.draft_s for s in self.samples) / drafted
+        timed = [s.draft_token_s for s in self.samples if s.draft_token_s is not None]
+        if timed:
+            t_draft = sum(timed) / len(timed)
+        else:
+            t_draft = sum(s.draft_s for s in self.samples) / sum(s.drafted for s in self.samples)
         c = sum(s.server_token_s for s in self.samples) / len(self.samples)
         fixed = max(0.0, sum(s.rtt_s - c * (s.drafted + 1) for s in self.samples) / len(self.samples))
 
         def goodput(k: int) -> float:
             tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-            return tokens / (k * t_draft + fixed + c * (k + 1))
+            rtt = fixed + c * (k + 1)
+            if not self.ahead:
+                return tokens / (k * t_draft + rtt)
+            hit = alpha ** (k + 1)
+            return tokens / (rtt + hit * max(0.0, (k + 1) * t_draft - rtt) + (1 - hit) * k * t_draft)
 
         return max(range(self.k_min, self.k_max + 1), key=goodput)

@@ -95,6 +95,7 @@ class Agent:
                                         sampling=sampling, draft_tokens=self.config.draft_tokens, on_text=piece,
                                         adaptive=self.config.adaptive_draft,
                                         max_draft_tokens=self.config.max_draft_tokens,
+                                        draft_ahead=self.config.draft_ahead,
                                         client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
                                         should_stop=lambda: stop.hit)
             finally:

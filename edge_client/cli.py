@@ -36,6 +36,9 @@ def _add_generate(sub) -> None:
                         "--no-adaptive keeps K fixed)")
     p.add_argument("--max-draft-tokens", type=int, default=8,
                    help="upper bound (and first value) of the adaptive K (default 8)")
+    p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep drafting while a draft is verified, guessing that all of it is accepted; the next "
+                        "draft is then ready when the guess holds (default on; --no-draft-ahead waits)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
@@ -73,6 +76,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted per round (default 4)")
     p.add_argument("--adaptive-draft", action=argparse.BooleanOptionalAction, default=None,
                    help="adaptive draft length (default on)")
+    p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="draft on while a draft is verified (default on)")
     p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
     p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
@@ -159,7 +164,8 @@ async def _generate(args) -> dict:
         result = await generate(client, drafter, tokenizer, prompt_ids, max_tokens=args.max_tokens,
                                 sampling=sampling, draft_tokens=args.draft_tokens,
                                 on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}",
-                                resilience=resilience, adaptive=args.adaptive, max_draft_tokens=args.max_draft_tokens)
+                                resilience=resilience, adaptive=args.adaptive, max_draft_tokens=args.max_draft_tokens,
+                                draft_ahead=args.draft_ahead)
     finally:
         await client.close()
         drafter.close()

@@ -22,6 +22,7 @@ class EdgeConfig:
     draft_tokens: int = 4  # K when adaptive_draft is off (0: no drafting)
     adaptive_draft: bool = True  # choose K each round from acceptance, round trip and server load
     max_draft_tokens: int = 8  # the adaptive K's upper bound and first value
+    draft_ahead: bool = True  # draft on while a draft is verified, used when the server accepts it all
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
     gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
     context_size: int = 4096  # drafter context

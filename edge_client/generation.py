@@ -1,5 +1,12 @@
 """The device-side round loop: draft, send, commit the verdict, roll the drafter back, repeat.
 
+Drafting ahead (on by default, as SpecEdge's proactive drafting): while a draft is being verified, the
+drafter goes on as if the server will accept all of it and emit the drafter's own next token as the bonus.
+When that is what happens, the next round's draft is already (partly) made and goes out at once, so
+drafting overlaps verification instead of following it. When it is not, the extra tokens are dropped
+with the drafter's rollback. Losslessness is untouched: every token, drafted ahead or not, is verified
+with exactly the distribution it was sampled from, given the context it continues.
+
 The device keeps the whole token history, so nothing is lost when the link drops or the server
 restarts: the loop reconnects with backoff and reopens with the full context. While the server
 stays unreachable the fallback policy decides: `wait` (bounded by a deadline), `local` (the
@@ -12,6 +19,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from . import codec
 from .adaptive import AdaptiveDraftLength, RoundSample
@@ -57,6 +66,8 @@ class GenerationResult:
     elapsed_s: float = 0.0
     finish_reason: str | None = None
     drafter: str = ""
+    ahead_rounds: int = 0  # rounds whose draft was (partly) made while the previous round was verified
+    ahead_tokens: int = 0  # tokens of those drafts made ahead
 
     @property
     def unverified_tokens(self) -> int:
@@ -91,16 +102,42 @@ class GenerationResult:
             "tokens_per_second": self.tokens_per_second,
             "reconnects": self.reconnects,
             "mean_draft_tokens": self.draft_tokens / self.rounds if self.rounds else 0.0,
+            "ahead_rounds": self.ahead_rounds,
+            "ahead_tokens": self.ahead_tokens,
             "unverified_tokens": self.unverified_tokens,
             "unverified_token_indices": [i for i, ok in enumerate(self.token_verified) if not ok],
         }
+
+
+def _q(p: Proposal, i: int) -> tuple:
+    """The sparse q of token i; a proposal without q chose each token with certainty."""
+    if p.q_ids is None:
+        return np.array([p.token_ids[i]], dtype=np.int64), np.ones(1, dtype=np.float32)
+    return p.q_ids[i], p.q_probs[i]
+
+
+def _join(a: Proposal, b: Proposal) -> Proposal:
+    """The tokens of a then b, each with its own q."""
+    if not a.token_ids or not b.token_ids:
+        return b if not a.token_ids else a
+    tokens = a.token_ids + b.token_ids
+    if a.q_ids is None and b.q_ids is None:
+        return Proposal(tokens)
+    qs = [_q(a, i) for i in range(len(a.token_ids))] + [_q(b, i) for i in range(len(b.token_ids))]
+    return Proposal(tokens, [q[0] for q in qs], [q[1] for q in qs])
+
+
+def _cut(p: Proposal, start: int, end: int | None = None) -> Proposal:
+    return Proposal(p.token_ids[start:end], None if p.q_ids is None else p.q_ids[start:end],
+                    None if p.q_probs is None else p.q_probs[start:end])
 
 
 class _Generation:
     """One generation's state; `generate()` below is its entry point."""
 
     def __init__(self, client, drafter, tokenizer, prompt, max_tokens, sampling, draft_tokens, stop_ids, on_text,
-                 client_id, resilience, should_stop, adaptive: AdaptiveDraftLength | None = None):
+                 client_id, resilience, should_stop, adaptive: AdaptiveDraftLength | None = None,
+                 draft_ahead: bool = True):
         self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
         self.max_tokens, self.sampling, self.k = max_tokens, sampling, draft_tokens
         self.stop_ids = frozenset(stop_ids) | {tokenizer.eos_token_id}
@@ -116,6 +153,16 @@ class _Generation:
         self.next_attempt = 0.0
         self.backoff = resilience.backoff_initial_s
         self.adaptive = adaptive if draft_tokens > 0 else None
+        self.draft_ahead = draft_ahead and draft_tokens > 0
+        self.carry: Proposal | None = None  # drafted ahead, continuing the committed context
+        self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
+
+    async def _propose(self, context: list[int], k: int) -> Proposal:
+        t0 = time.perf_counter()
+        proposal = await asyncio.to_thread(self.drafter.propose, context, k)
+        self.drafting[0] += time.perf_counter() - t0
+        self.drafting[1] += len(proposal.token_ids)
+        return proposal
 
     def commit(self, tokens: list[int], verified: bool) -> None:
         self.context.extend(tokens)
@@ -225,15 +272,23 @@ class _Generation:
                     continue
             k = self.adaptive.k if self.adaptive is not None else self.k
             t_round = time.perf_counter()
-            proposal = await asyncio.to_thread(self.drafter.propose, self.context, k) if k else Proposal([])
+            self.drafting = [0.0, 0]
+            proposal = await self.draft(k)
             t_sent = time.perf_counter()
+            verify = asyncio.ensure_future(
+                asyncio.wait_for(self.session.verify(r.rounds, proposal), self.policy.round_timeout_s))
             try:
-                verdict = await asyncio.wait_for(self.session.verify(r.rounds, proposal), self.policy.round_timeout_s)
+                ahead = await self.draft_while(verify, proposal)
+            except BaseException:
+                verify.cancel()
+                raise
+            try:
+                verdict = await verify
             except (VerifyError, asyncio.TimeoutError) as err:
                 if isinstance(err, asyncio.TimeoutError):
                     err = VerifyError("DEADLINE_EXCEEDED", f"no verdict within {self.policy.round_timeout_s:g}s")
                 self.session.cancel()
-                self.session = None
+                self.session, self.carry = None, None
                 self.outage(err)
                 self.next_attempt = time.monotonic()  # first try again at once: the server may be back already
                 continue
@@ -243,17 +298,56 @@ class _Generation:
             now = time.perf_counter()
             if self.adaptive is not None:
                 per_token = verdict.token_ms / 1000.0  # marginal server cost of one more token, at its load
+                spent, drafted = self.drafting
                 self.adaptive.observe(RoundSample(len(proposal.token_ids), verdict.n_accepted, t_sent - t_round,
-                                                  now - t_sent, per_token))
+                                                  now - t_sent, per_token, spent / drafted if drafted else None))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted
             r.round_times.append(now - t_round)
             r.round_tokens.append(len(committed))
+            # Drafted ahead on the guess that the server accepts everything and its bonus token is the
+            # drafter's own next one: when it is, the rest continues the new context exactly.
+            if (len(ahead.token_ids) > 1 and verdict.n_accepted == len(proposal.token_ids)
+                    and verdict.next_token == ahead.token_ids[0] and not verdict.finished):
+                self.carry = _cut(ahead, 1)
             self.commit(committed, verified=True)
             if verdict.finished:
                 r.finish_reason = verdict.finish_reason
                 return
+
+    async def draft(self, k: int) -> Proposal:
+        """This round's k tokens: those drafted ahead during the last round first, the rest drafted now."""
+        carry, self.carry = self.carry, None
+        if not k:
+            return Proposal([])
+        if carry is None or not carry.token_ids:
+            return await self._propose(self.context, k)
+        proposal = _cut(carry, 0, k)
+        self.result.ahead_rounds += 1
+        self.result.ahead_tokens += len(proposal.token_ids)
+        if len(proposal.token_ids) < k and proposal.token_ids[-1] not in self.stop_ids:
+            rest = await self._propose(self.context + proposal.token_ids, k - len(proposal.token_ids))
+            proposal = _join(proposal, rest)
+        return proposal
+
+    async def draft_while(self, verify: asyncio.Future, proposal: Proposal) -> Proposal:
+        """Draft on past `proposal`, one token at a time, until its verdict is in or the next round is covered."""
+        ahead = Proposal([])
+        limit = (self.adaptive.k_max if self.adaptive is not None else self.k) + 1
+        room = self.max_tokens - len(self.result.token_ids) - len(proposal.token_ids) - 1
+        if (not self.draft_ahead or not proposal.token_ids or proposal.token_ids[-1] in self.stop_ids
+                or room <= 0):
+            return ahead
+        base = self.context + proposal.token_ids
+        while not verify.done() and len(ahead.token_ids) < limit:
+            step = await self._propose(base + ahead.token_ids, 1)
+            if not step.token_ids:
+                break
+            ahead = _join(ahead, step)
+            if step.token_ids[-1] in self.stop_ids:
+                break
+        return ahead
 
 
 async def generate(
@@ -272,12 +366,14 @@ async def generate(
     should_stop: Callable[[], bool] | None = None,
     adaptive: bool = True,
     max_draft_tokens: int = 8,
+    draft_ahead: bool = True,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
     With adaptive=True, K starts at max_draft_tokens (optimistic: a poor drafter is cut back after two
     rounds) and each round chooses K in 1..max_draft_tokens; draft_tokens is then only the on/off switch
-    for drafting (0 = none). With adaptive=False, K is draft_tokens.
+    for drafting (0 = none). With adaptive=False, K is draft_tokens. draft_ahead=True drafts on while a
+    draft is verified (see the module docstring).
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
@@ -285,8 +381,8 @@ async def generate(
         raise ValueError("max_tokens must be at least 1")
     if draft_tokens < 0:
         raise ValueError("draft_tokens must be >= 0")
-    controller = (AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=max(max_draft_tokens, 1))
-                  if adaptive else None)
+    controller = (AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=max(max_draft_tokens, 1),
+                                      ahead=draft_ahead) if adaptive else None)
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
-                      stop_token_ids, on_text, client_id, resilience, should_stop, controller)
+                      stop_token_ids, on_text, client_id, resilience, should_stop, controller, draft_ahead)
     return await run.run()

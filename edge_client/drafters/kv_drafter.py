@@ -41,6 +41,14 @@ class KVDrafter:
         self.rng = np.random.default_rng(sampling.seed)
         self.accept(context)
 
+    def _draw_rng(self, position: int) -> np.random.Generator:
+        """With a seed, the draw for a position is keyed by the seed and the position, not by how many draws came
+        before, so a run repeats exactly however many tokens were drafted ahead (a timing matter). A position is
+        verified with the first draft whose context reaches the verifier, so its draw is still used once."""
+        if self.sampling.seed is None:
+            return self.rng
+        return np.random.default_rng((self.sampling.seed, position))
+
     def rollback(self, length: int) -> None:
         """Forget every evaluated token from position `length` on."""
         if length < len(self._evaluated):
@@ -76,7 +84,7 @@ class KVDrafter:
             else:
                 top_k = min(s.top_k, self.top_k_cap) if s.top_k else self.top_k_cap
                 ids, probs = sparse_distribution(logits, s.temperature, top_k, s.top_p)
-                x = sample(ids, probs, self.rng)
+                x = sample(ids, probs, self._draw_rng(len(context) + i))
                 q_ids.append(ids)
                 q_probs.append(probs)
             tokens.append(x)

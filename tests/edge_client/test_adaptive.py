@@ -40,3 +40,30 @@ def test_bounds_are_checked():
     with pytest.raises(ValueError):
         AdaptiveDraftLength(k_max=0)
     assert AdaptiveDraftLength(k_max=3, k_initial=9).k == 3
+
+
+def test_drafting_ahead_prefers_a_draft_ready_within_one_round_trip():
+    """Acceptance about 0.9, 9 ms a drafted token, 25 ms round trip. Waiting for each verdict, K = 3 commits the
+    most per second. Drafting ahead, a short draft is made again during the round trip whenever a round is accepted
+    whole, so K = 2 comes out ahead (2 + 1 tokens of drafting fit in the round trip)."""
+    chosen = {}
+    for ahead in (False, True):
+        ctrl = AdaptiveDraftLength(k_max=8, k_initial=4, ahead=ahead)
+        for i in range(16):
+            # With drafting ahead, the drafting left on the critical path shrinks; the per-token time does not.
+            ctrl.samples.append(RoundSample(4, 4 if i % 3 else 2, 0.0 if ahead else 0.036, 0.025, 0.001, 0.009))
+        chosen[ahead] = ctrl.choose()
+    assert chosen == {False: 3, True: 2}
+
+
+def test_the_drafters_own_speed_is_used_when_reported():
+    # The critical-path drafting time is near zero when drafts come from drafting ahead: without the reported
+    # per-token time, drafting would look free and K would go to its maximum.
+    ctrl = AdaptiveDraftLength(k_max=8, k_initial=4)
+    for _ in range(16):
+        ctrl.samples.append(RoundSample(4, 3, 0.0, 0.025, 0.001, 0.05))
+    assert ctrl.choose() < 4
+    free = AdaptiveDraftLength(k_max=8, k_initial=4)
+    for _ in range(16):
+        free.samples.append(RoundSample(4, 3, 0.0, 0.025, 0.001))
+    assert free.choose() >= 7

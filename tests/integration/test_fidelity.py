@@ -39,6 +39,7 @@ def test_greedy_equals_target_only_decoding_on_20_prompts(make_server, tokenizer
     drafted = sum(r.draft_tokens for r in results)
     assert drafted > 0 and accepted > 0
     assert sum(len(r.token_ids) for r in results) > sum(r.rounds for r in results)  # > 1 token per round
+    assert sum(r.ahead_rounds for r in results) > 0  # drafts made ahead with llama.cpp's cache were used
     stats = server.engine.stats()
     assert stats["accepted_tokens"] == accepted
 
