@@ -12,7 +12,9 @@
    Modes: `sled` (replayed drafts), `server-only` (the same server decodes every token, batched),
    `device-only` (the drafter alone, unverified: each device is its own hardware, so N devices give
    N times one device's measured rate).
-3. `sled` rows use the adaptive draft length (the default); fixed K = 2, 4, 8 run beside it.
+3. `sled` rows use the adaptive draft length and drafting ahead (the defaults); fixed K = 2, 4, 8 run beside it,
+   and so does the adaptive K without drafting ahead (`sled-no-ahead` in the JSON: each device waits for its
+   verdict before drafting on). Each device drafts on its own thread, as on its own hardware.
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
 
 GPU capacity runs (`--target random:llama-1b`): the target is a Llama of that shape with random weights, whose text
@@ -32,6 +34,7 @@ import asyncio
 import importlib.util
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -50,7 +53,11 @@ from scripts.benchutil import ServerProcess, device_tokenizer, gpu_name, machine
 
 
 class ReplayDrafter:
-    """Proposes what a real drafter proposed at the same context length, after its measured drafting time."""
+    """Proposes what a real drafter proposed at the same context, after its measured drafting time.
+
+    A context off the recorded output (a drafted token the target rejects came before) gets filler tokens,
+    after the same time: a real drafter's tokens there are never accepted either, since verification stops
+    at the first rejected token, so only the time they take matters."""
 
     name = "replay"
 
@@ -61,9 +68,10 @@ class ReplayDrafter:
         pass
 
     def propose(self, context, k):
-        tokens = self.rounds.get(len(context), [])[:k]
-        if tokens and self.prefixes is not None and list(context) != self.prefixes[:len(context)]:
-            tokens = []  # the output left the recorded one: the recording has nothing for this context
+        tokens = self.rounds.get(len(context))
+        if tokens is None or (self.prefixes is not None and list(context) != self.prefixes[:len(context)]):
+            tokens = [context[-1]] * k  # off the recording: filler
+        tokens = tokens[:k]
         time.sleep(self.spt * len(tokens))
         return Proposal(list(tokens))
 
@@ -120,13 +128,17 @@ def prompts(tokenizer, n):
             for i in range(n)]
 
 
-async def run_devices(address, tokenizer, drafters, prompt_ids, max_tokens, k, adaptive=False):
+async def run_devices(address, tokenizer, drafters, prompt_ids, max_tokens, k, adaptive=False, draft_ahead=True):
+    # Devices draft in threads (asyncio.to_thread): one thread each, as each device is its own hardware (the
+    # default pool, cores + 4 threads, would queue the drafting of 16 or 32 devices).
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=len(drafters) + 4))
     client = VerifierClient(address)
     before = (await client.info()).stats
     t0 = time.perf_counter()
     try:
         results = await asyncio.gather(*[
-            generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=adaptive)
+            generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=adaptive,
+                     draft_ahead=draft_ahead)
             for d, p in zip(drafters, prompt_ids)])
     finally:
         wall = time.perf_counter() - t0
@@ -147,6 +159,7 @@ def summarize(mode, n, results, wall, before, after):
         "p50_inter_token_ms": float(np.percentile(itl, 50) * 1000), "p95_inter_token_ms": float(np.percentile(itl, 95) * 1000),
         "acceptance_rate": sum(r.accepted_tokens for r in results) / drafted if drafted else 0.0,
         "mean_draft_tokens": drafted / max(sum(r.rounds for r in results), 1),
+        "drafted_ahead_share": sum(r.ahead_tokens for r in results) / drafted if drafted else 0.0,
         "server_step_ms": (after.step_seconds_total - before.step_seconds_total) / steps * 1000 if steps else 0.0,
         "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
@@ -223,7 +236,7 @@ def main() -> int:
     if args.target:
         extra += ["--target", args.target]
 
-    rows, adaptive_rows = [], []
+    rows, adaptive_rows, waiting_rows = [], [], []
     server = ServerProcess("--max-sessions", str(top + 2), "--max-seq-len", "512", "--max-batch-sessions", str(top),
                            "--max-batch-tokens", str(max(512, top * 10)), "--max-wait-ms", str(args.max_wait_ms),
                            *extra)
@@ -257,7 +270,7 @@ def main() -> int:
             print(f"[bench] one llama.cpp drafter alone: {device_spt * 1000:.1f} ms/token", flush=True)
         spt = device_spt
 
-        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive")]
+        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead")]
         # Every configuration runs --repeats times, the order reversed on every other pass so that a slow
         # stretch of this shared machine does not fall on one configuration; the median run is reported.
         order = [(rep, cfg) for rep in range(args.repeats) for cfg in (plan if rep % 2 == 0 else plan[::-1])]
@@ -271,11 +284,12 @@ def main() -> int:
             else:
                 drafters = [ReplayDrafter(tables[i % len(tables)], spt, fulls[i % len(fulls)] if fulls else None)
                             for i in range(n)]
-                k = args.draft_tokens if mode == "adaptive" else int(mode)
+                adaptive = mode in ("adaptive", "no-ahead")
+                k = args.draft_tokens if adaptive else int(mode)
                 res = asyncio.run(run_devices(address, tokenizer, drafters, prompts_n, args.max_tokens, k,
-                                              adaptive=mode == "adaptive"))
+                                              adaptive=adaptive, draft_ahead=mode != "no-ahead"))
                 # Fixed-K rows are their own modes, so that `mode == "sled"` picks exactly one row per count.
-                row = summarize("sled" if mode == "adaptive" else f"sled-k{mode}", n, *res)
+                row = summarize({"adaptive": "sled", "no-ahead": "sled-no-ahead"}.get(mode, f"sled-k{mode}"), n, *res)
                 row["k"] = mode
             row["repeat"] = rep
             runs[(n, mode)].append(row)
@@ -288,6 +302,8 @@ def main() -> int:
                 row["repeats_ratio_to_server_only"] = [r["system_tokens_per_s"] / b for r, b in zip(done, base)]
             if mode == "server-only":
                 rows.append(row)
+            elif mode == "no-ahead":
+                waiting_rows.append(row)
             else:
                 adaptive_rows.append(row)
                 if mode == "adaptive":
@@ -332,6 +348,14 @@ def main() -> int:
         ad = next(r for r in adaptive_rows if r["devices"] == n and r["k"] == "adaptive")
         verdicts.append(f"{n} devices: adaptive {ad['system_tokens_per_s']:.1f} tok/s vs best fixed K={best['k']} "
                         f"{best['system_tokens_per_s']:.1f} ({ad['system_tokens_per_s'] / best['system_tokens_per_s']:.2f}x)")
+    wlines = ["| devices | drafting ahead tok/s | waiting tok/s | ratio | drafted tokens made ahead | "
+              "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|"]
+    for w in waiting_rows:
+        a = by[("sled", w["devices"])]
+        per = [x / y for x, y in zip(a["repeats_system_tokens_per_s"], w["repeats_system_tokens_per_s"])]
+        wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
+                      f"{a['system_tokens_per_s'] / w['system_tokens_per_s']:.2f}x | {a['drafted_ahead_share']:.0%} | "
+                      + ", ".join(f"{x:.2f}x" for x in per) + " |")
     overhead = ""
     if sixteen:
         s = sixteen[0]
@@ -364,12 +388,16 @@ def main() -> int:
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "
         "processes sharing the cores: see the engine speed section (`scripts/bench_engine.py`)\n\n"
         "### Adaptive draft length vs fixed K (same replayed drafter, same run)\n\n"
-        + "\n".join(alines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
+        + "\n".join(alines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
+        "### Drafting ahead vs waiting for the verdict (adaptive K both)\n\n"
+        "While a draft is verified, a device drafting ahead goes on as if all of it will be accepted with its own "
+        "next token as the bonus; when that holds, the next draft is ready at once (`--no-draft-ahead` waits).\n\n"
+        + "\n".join(wlines) + "\n"
     )
     publish(args.markdown, "## System benchmark", section, args.json,
-            rows + [r for r in adaptive_rows if r["k"] != "adaptive"])
+            rows + [r for r in adaptive_rows if r["k"] != "adaptive"] + waiting_rows)
     paths = plot(rows, Path(args.out_dir))
-    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines))
+    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines) + "\n\n" + "\n".join(wlines))
     print(f"[bench] capacity: {capacity}; plots: {[str(p) for p in paths]}")
     return 0
 
