@@ -377,7 +377,8 @@ def main() -> int:
         f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
         + target_line
         + f"replayed at {spt * 1000:.1f} ms/token of drafting per device; `sled` uses the "
-        f"adaptive draft length (default, K ≤ {K_MAX}); {args.max_tokens} greedy tokens per device\n"
+        f"adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults); {args.max_tokens} greedy tokens per "
+        "device\n"
         f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
         "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n"
