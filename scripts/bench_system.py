@@ -23,6 +23,10 @@ drafted position carries the target's next token with probability `--draft-match
 acceptance is controlled; `--device-ms-per-token` gives the drafting time. Where llama.cpp is not installed, the
 devices' tokenizer is the same vocabulary read through transformers.
 
+Load: a closed loop. Each device sends requests back to back (device d starts at prompt d and takes the prompts
+in turn) and the figures count what was committed in a window of --seconds that opens --warmup-s after the start,
+so every device is busy all through the window: system tokens/s is the sum of the devices' rates at that load, not
+one request each over the time the slowest device took (which counted the idle tail of devices done early).
 Inter-token latency: a round that commits n tokens in t seconds gives each of them t / n.
 Writes JSON rows, PNG plots (--out-dir) and its section of docs/benchmarks.md.
 """
@@ -35,6 +39,7 @@ import importlib.util
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -88,11 +93,8 @@ K_MAX = 8
 def record_tables(address, tokenizer, prompt_ids, max_tokens) -> list[dict[int, list[int]]]:
     """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there."""
     drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512))
-    runs, _, _, _ = asyncio.run(run_devices(address, tokenizer, [create_drafter("none") for _ in prompt_ids],
-                                            prompt_ids, max_tokens, 0, adaptive=False))
     tables = []
-    for ids, run in zip(prompt_ids, runs):
-        full = list(ids) + run.token_ids
+    for ids, full in zip(prompt_ids, greedy_outputs(address, tokenizer, prompt_ids, max_tokens)):
         drafter.begin(list(ids), SamplingParams())
         tables.append({n: drafter.propose(full[:n], K_MAX).token_ids for n in range(len(ids), len(full))})
     drafter.close()
@@ -101,9 +103,16 @@ def record_tables(address, tokenizer, prompt_ids, max_tokens) -> list[dict[int, 
 
 def greedy_outputs(address, tokenizer, prompt_ids, max_tokens) -> list[list[int]]:
     """Per prompt: the prompt and the target's greedy output after it (the server decoding every token)."""
-    runs, _, _, _ = asyncio.run(run_devices(address, tokenizer, [create_drafter("none") for _ in prompt_ids],
-                                            prompt_ids, max_tokens, 0, adaptive=False))
-    return [list(ids) + run.token_ids for ids, run in zip(prompt_ids, runs)]
+    async def once():
+        client = VerifierClient(address)
+        try:
+            return await asyncio.gather(*[generate(client, create_drafter("none"), tokenizer, ids,
+                                                   max_tokens=max_tokens, draft_tokens=0, adaptive=False)
+                                          for ids in prompt_ids])
+        finally:
+            await client.close()
+
+    return [list(ids) + run.token_ids for ids, run in zip(prompt_ids, asyncio.run(once()))]
 
 
 def synthesize_tables(fulls: list[list[int]], prompt_lens: list[int], match: float, vocab_size: int,
@@ -128,41 +137,86 @@ def prompts(tokenizer, n):
             for i in range(n)]
 
 
-async def run_devices(address, tokenizer, drafters, prompt_ids, max_tokens, k, adaptive=False, draft_ahead=True):
+class Timeline:
+    """A device's drafter, noting when each round's tokens are committed (the drafter's accept)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.commits = drafter, []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def accept(self, context):
+        self.commits.append(time.perf_counter())
+        self.drafter.accept(context)
+
+
+@dataclass
+class Window:
+    """What N devices did inside the measured window: per device, its committed rounds as (time, tokens,
+    seconds), and the request totals; the server's statistics at the window's two ends."""
+    seconds: float
+    rounds: list[list[tuple[float, int, float]]]
+    results: list
+    before: object
+    after: object
+
+
+async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens, k, warmup_s, seconds,
+                     adaptive=False, draft_ahead=True) -> Window:
+    """N devices in a closed loop: each runs requests back to back (device d starts at prompt d and goes through
+    them in turn) until the window ends; tokens count when they are committed inside [warmup_s, warmup_s +
+    seconds] after the start. A request in progress at the end stops at its next round."""
     # Devices draft in threads (asyncio.to_thread): one thread each, as each device is its own hardware (the
     # default pool, cores + 4 threads, would queue the drafting of 16 or 32 devices).
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=len(drafters) + 4))
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=n + 4))
     client = VerifierClient(address)
-    before = (await client.info()).stats
     t0 = time.perf_counter()
+    start, end = t0 + warmup_s, t0 + warmup_s + seconds
+
+    async def device(d):
+        rounds, results, j = [], [], 0
+        while time.perf_counter() < end:
+            p = (d + j) % len(prompt_ids)
+            drafter = Timeline(make_drafter(p))
+            r = await generate(client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
+                               adaptive=adaptive, draft_ahead=draft_ahead,
+                               should_stop=lambda: time.perf_counter() >= end)
+            rounds += [x for x in zip(drafter.commits, r.round_tokens, r.round_times) if start <= x[0] < end]
+            results.append(r)
+            j += 1
+        return rounds, results
+
+    async def stats_at(t):
+        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+        return (await client.info()).stats
+
     try:
-        results = await asyncio.gather(*[
-            generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=adaptive,
-                     draft_ahead=draft_ahead)
-            for d, p in zip(drafters, prompt_ids)])
+        done = await asyncio.gather(stats_at(start), stats_at(end), *[device(d) for d in range(n)])
     finally:
-        wall = time.perf_counter() - t0
-        after = (await client.info()).stats
         await client.close()
-    return results, wall, before, after
+    return Window(seconds, [d[0] for d in done[2:]], [r for d in done[2:] for r in d[1]], done[0], done[1])
 
 
-def summarize(mode, n, results, wall, before, after):
-    itl = np.concatenate([np.repeat(np.array(r.round_times) / np.maximum(r.round_tokens, 1), r.round_tokens)
-                          for r in results])
-    tokens = sum(len(r.token_ids) for r in results)
-    drafted = sum(r.draft_tokens for r in results)
+def summarize(mode, n, w: Window):
+    rounds = [x for dev in w.rounds for x in dev]
+    itl = np.concatenate([np.repeat(t / max(tok, 1), tok) for _, tok, t in rounds]) if rounds else np.zeros(1)
+    per_device = [sum(tok for _, tok, _ in dev) / w.seconds for dev in w.rounds]
+    drafted = sum(r.draft_tokens for r in w.results)
+    before, after = w.before, w.after
     steps = after.steps - before.steps
     return {
-        "mode": mode, "devices": n, "system_tokens_per_s": tokens / wall,
-        "per_device_tokens_per_s": float(np.mean([r.tokens_per_second for r in results])),
+        "mode": mode, "devices": n, "system_tokens_per_s": sum(per_device),
+        "per_device_tokens_per_s": float(np.mean(per_device)),
         "p50_inter_token_ms": float(np.percentile(itl, 50) * 1000), "p95_inter_token_ms": float(np.percentile(itl, 95) * 1000),
-        "acceptance_rate": sum(r.accepted_tokens for r in results) / drafted if drafted else 0.0,
-        "mean_draft_tokens": drafted / max(sum(r.rounds for r in results), 1),
-        "drafted_ahead_share": sum(r.ahead_tokens for r in results) / drafted if drafted else 0.0,
+        "acceptance_rate": sum(r.accepted_tokens for r in w.results) / drafted if drafted else 0.0,
+        "mean_draft_tokens": drafted / max(sum(r.rounds for r in w.results), 1),
+        "drafted_ahead_share": sum(r.ahead_tokens for r in w.results) / drafted if drafted else 0.0,
+        "requests": len(w.results),
         "server_step_ms": (after.step_seconds_total - before.step_seconds_total) / steps * 1000 if steps else 0.0,
         "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
+        "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
     }
 
 
@@ -199,7 +253,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="1,4,16,32", help="device counts (default 1,4,16,32)")
     ap.add_argument("--slo-ms", type=float, default=150.0, help="p95 inter-token latency bound for capacity (default 150)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per device (default 64)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    ap.add_argument("--seconds", type=float, default=8.0,
+                    help="length of the measured window; devices run requests back to back (default 8)")
+    ap.add_argument("--warmup-s", type=float, default=1.0,
+                    help="time from the start before the window opens: the first requests open together (default 1)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="passed with adaptive drafting on (default 4)")
     ap.add_argument("--recordings", type=int, default=8, help="distinct recorded prompts, reused round-robin (default 8)")
     ap.add_argument("--max-wait-ms", type=float, default=3.0, help="the server's batching window (default 3)")
@@ -226,6 +284,10 @@ def main() -> int:
         args.draft_match = 0.95
     if args.repeats < 1:
         ap.error("--repeats must be positive")
+    if args.seconds <= 0 or args.warmup_s < 0:
+        ap.error("--seconds must be positive and --warmup-s not negative")
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be positive")
     if args.draft_match is not None and not 0 <= args.draft_match <= 1:
         ap.error("--draft-match must be in [0, 1]")
     if args.device_ms_per_token is not None and args.device_ms_per_token <= 0:
@@ -276,20 +338,19 @@ def main() -> int:
         order = [(rep, cfg) for rep in range(args.repeats) for cfg in (plan if rep % 2 == 0 else plan[::-1])]
         runs: dict[tuple[int, str], list[dict]] = {cfg: [] for cfg in plan}
         for rep, (n, mode) in tqdm(order, desc="system", unit="run"):
-            prompts_n = [ids[i % len(ids)] for i in range(n)]
             if mode == "server-only":
-                res = asyncio.run(run_devices(address, tokenizer, [create_drafter("none") for _ in range(n)],
-                                              prompts_n, args.max_tokens, 0, adaptive=False))
-                row = summarize(mode, n, *res)
+                w = asyncio.run(run_window(address, tokenizer, lambda p: create_drafter("none"), ids, n,
+                                           args.max_tokens, 0, args.warmup_s, args.seconds))
+                row = summarize(mode, n, w)
             else:
-                drafters = [ReplayDrafter(tables[i % len(tables)], spt, fulls[i % len(fulls)] if fulls else None)
-                            for i in range(n)]
                 adaptive = mode in ("adaptive", "no-ahead")
                 k = args.draft_tokens if adaptive else int(mode)
-                res = asyncio.run(run_devices(address, tokenizer, drafters, prompts_n, args.max_tokens, k,
-                                              adaptive=adaptive, draft_ahead=mode != "no-ahead"))
+                w = asyncio.run(run_window(
+                    address, tokenizer, lambda p: ReplayDrafter(tables[p], spt, fulls[p] if fulls else None), ids, n,
+                    args.max_tokens, k, args.warmup_s, args.seconds, adaptive=adaptive,
+                    draft_ahead=mode != "no-ahead"))
                 # Fixed-K rows are their own modes, so that `mode == "sled"` picks exactly one row per count.
-                row = summarize({"adaptive": "sled", "no-ahead": "sled-no-ahead"}.get(mode, f"sled-k{mode}"), n, *res)
+                row = summarize({"adaptive": "sled", "no-ahead": "sled-no-ahead"}.get(mode, f"sled-k{mode}"), n, w)
                 row["k"] = mode
             row["repeat"] = rep
             runs[(n, mode)].append(row)
@@ -312,7 +373,8 @@ def main() -> int:
             rows.append({"mode": "device-only", "devices": n, "system_tokens_per_s": n / device_spt,
                          "per_device_tokens_per_s": 1 / device_spt, "p50_inter_token_ms": device_spt * 1000,
                          "p95_inter_token_ms": device_spt * 1000, "acceptance_rate": 0.0, "mean_draft_tokens": 0.0,
-                         "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0})
+                         "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0,
+                         "server_busy_share": 0.0})
 
     finally:
         server.stop()
@@ -321,7 +383,8 @@ def main() -> int:
     by = {(r["mode"], r["devices"]): r for r in rows}
 
     lines = ["| devices | mode | system tok/s | per-device tok/s | ITL p50 ms | ITL p95 ms | acceptance | "
-             "server step ms | batch | SLED / server-only | per repeat |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "server step ms | batch | server busy | SLED / server-only | per repeat |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in counts:
         for mode in ("sled", "server-only", "device-only"):
             r = by[(mode, n)]
@@ -330,7 +393,8 @@ def main() -> int:
             per = (", ".join(f"{x:.2f}x" for x in r["repeats_ratio_to_server_only"]) if mode == "sled" else "")
             lines.append(f"| {n} | {mode} | {r['system_tokens_per_s']:.1f} | {r['per_device_tokens_per_s']:.1f} | "
                          f"{r['p50_inter_token_ms']:.1f} | {r['p95_inter_token_ms']:.1f} | {r['acceptance_rate']:.2f} | "
-                         f"{r['server_step_ms']:.1f} | {r['server_batch_sessions']:.1f} | {ratio} | {per} |")
+                         f"{r['server_step_ms']:.1f} | {r['server_batch_sessions']:.1f} | {r['server_busy_share']:.0%} | "
+                         f"{ratio} | {per} |")
     capacity = {}
     for mode in ("sled", "server-only", "device-only"):
         ok = [n for n in counts if by[(mode, n)]["p95_inter_token_ms"] <= args.slo_ms]
@@ -377,11 +441,14 @@ def main() -> int:
         f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
         + target_line
         + f"replayed at {spt * 1000:.1f} ms/token of drafting per device; `sled` uses the "
-        f"adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults); {args.max_tokens} greedy tokens per "
-        "device\n"
+        f"adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"
+        f"- load: a closed loop, each device sending requests of {args.max_tokens} greedy tokens back to back (its "
+        f"own turn through the {len(ids)} prompts); tokens/s count the tokens committed in a {args.seconds:g} s "
+        f"window that opens {args.warmup_s:g} s after all devices start, so every device is busy all through it\n"
         f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
         "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n"
+        "- server busy: the share of the window the server spent in its steps (batching, forward, sampling)\n"
         f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass\n\n"
         + "\n".join(lines) + "\n\n"

@@ -2,6 +2,7 @@
 and the benchmark's synthesized drafts at a controlled match rate."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -17,6 +18,16 @@ def tiny():
     from verify_server.model_loader import load_target
 
     return load_target("random:llama-tiny", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def tiny_server(tiny):
+    from verify_server.config import ServerConfig
+
+    server = ServerThread(ServerConfig(host="127.0.0.1", port=0, max_sessions=8, max_seq_len=256, seed=0,
+                                       target="random:llama-tiny"), tiny).load()
+    yield server
+    server.stop()
 
 
 def test_random_target_speaks_the_devices_vocabulary(tiny, tokenizer):
@@ -48,38 +59,59 @@ def test_runner_matches_transformers_on_the_random_shape(tiny):
     assert torch.allclose(got, want[6:], atol=1e-4)
 
 
-def test_synthesized_drafts_verify_to_the_targets_own_greedy_text(tiny, tokenizer):
+def test_synthesized_drafts_verify_to_the_targets_own_greedy_text(tiny_server, tokenizer):
     from edge_client.generation import generate
     from edge_client.transport import VerifierClient
     from scripts.bench_system import ReplayDrafter, greedy_outputs, prompts, synthesize_tables
-    from verify_server.config import ServerConfig
 
-    server = ServerThread(ServerConfig(host="127.0.0.1", port=0, max_sessions=8, max_seq_len=256, seed=0,
-                                       target="random:llama-tiny"), tiny).load()
-    try:
-        ids = prompts(tokenizer, 3)
-        fulls = greedy_outputs(server.address, tokenizer, ids, 24)
-        assert all(len(f) == len(i) + 24 for f, i in zip(fulls, ids))
-        tables = synthesize_tables(fulls, [len(i) for i in ids], 0.7, tokenizer.vocab_size)
-        # The synthesized drafts agree with the greedy output at about the asked rate.
-        pairs = [(tok, full[n + j]) for table, full in zip(tables, fulls) for n, draft in table.items()
-                 for j, tok in enumerate(draft)]
-        assert 0.6 < sum(a == b for a, b in pairs) / len(pairs) < 0.8
+    server = tiny_server
+    ids = prompts(tokenizer, 3)
+    fulls = greedy_outputs(server.address, tokenizer, ids, 24)
+    assert all(len(f) == len(i) + 24 for f, i in zip(fulls, ids))
+    tables = synthesize_tables(fulls, [len(i) for i in ids], 0.7, tokenizer.vocab_size)
+    # The synthesized drafts agree with the greedy output at about the asked rate.
+    pairs = [(tok, full[n + j]) for table, full in zip(tables, fulls) for n, draft in table.items()
+             for j, tok in enumerate(draft)]
+    assert 0.6 < sum(a == b for a, b in pairs) / len(pairs) < 0.8
 
-        async def sled():
-            client = VerifierClient(server.address)
-            try:
-                return await asyncio.gather(*[
-                    generate(client, ReplayDrafter(t, 0.0, f), tokenizer, i, max_tokens=24, draft_tokens=4,
-                             adaptive=False) for t, f, i in zip(tables, fulls, ids)])
-            finally:
-                await client.close()
+    async def sled():
+        client = VerifierClient(server.address)
+        try:
+            return await asyncio.gather(*[
+                generate(client, ReplayDrafter(t, 0.0, f), tokenizer, i, max_tokens=24, draft_tokens=4,
+                         adaptive=False) for t, f, i in zip(tables, fulls, ids)])
+        finally:
+            await client.close()
 
-        results = run(sled())
-        for result, full, prompt in zip(results, fulls, ids):
-            assert result.token_ids == full[len(prompt):]
-        accepted = sum(r.accepted_tokens for r in results)
-        drafted = sum(r.draft_tokens for r in results)
-        assert 0 < accepted < drafted
-    finally:
-        server.stop()
+    results = run(sled())
+    for result, full, prompt in zip(results, fulls, ids):
+        assert result.token_ids == full[len(prompt):]
+    accepted = sum(r.accepted_tokens for r in results)
+    drafted = sum(r.draft_tokens for r in results)
+    assert 0 < accepted < drafted
+
+
+def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server, tokenizer):
+    from scripts.bench_system import ReplayDrafter, greedy_outputs, prompts, run_window, summarize, synthesize_tables
+
+    ids = prompts(tokenizer, 3)
+    fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)
+    tables = synthesize_tables(fulls, [len(i) for i in ids], 0.8, tokenizer.vocab_size)
+    t0 = time.perf_counter()
+    w = run(run_window(tiny_server.address, tokenizer, lambda p: ReplayDrafter(tables[p], 0.002, fulls[p]), ids, 2,
+                       8, 4, 0.3, 1.0))
+    # Each device ran requests back to back, taking the prompts in turn, and every one is the target's own text.
+    assert len(w.results) > 2 * len(ids)
+    by_prompt = {tuple(i): f for i, f in zip(ids, fulls)}
+    for r in w.results:
+        full = by_prompt[tuple(r.prompt_token_ids)]
+        assert r.token_ids == full[len(r.prompt_token_ids):len(r.prompt_token_ids) + len(r.token_ids)]
+    # Only rounds committed inside the window count, and the rates are their tokens over its length.
+    times = [t for dev in w.rounds for t, _, _ in dev]
+    assert times and t0 + 0.3 <= min(times) and max(times) < t0 + 0.3 + 1.0 + 0.05
+    inside = sum(tok for dev in w.rounds for _, tok, _ in dev)
+    assert inside < sum(len(r.token_ids) for r in w.results)
+    row = summarize("sled", 2, w)
+    assert row["system_tokens_per_s"] == pytest.approx(inside / 1.0)
+    assert row["per_device_tokens_per_s"] == pytest.approx(inside / 2)
+    assert w.after.steps > w.before.steps
