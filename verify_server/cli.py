@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait-ms", type=float, help=f"longest a draft waits for others to join its step (default {d.max_wait_ms})")
     p.add_argument("--max-draft-tokens", type=int, help=f"longest draft accepted (default {d.max_draft_tokens})")
     p.add_argument("--max-draft-top-k", type=int, help=f"largest sparse draft distribution per token (default {d.max_draft_top_k})")
+    p.add_argument("--prefix-cache-tokens", type=int,
+                   help="tokens of shared prompt prefixes (a system prompt) whose KV is kept for new sessions, so "
+                        f"they are not prefilled again; 0 turns it off (default {d.prefix_cache_tokens})")
     p.add_argument("--idle-timeout-s", type=float, help=f"free a session after this many idle seconds (default {d.idle_timeout_s:g})")
     p.add_argument("--auth-token", help="require this bearer token in every Open (default: none)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")

@@ -26,6 +26,8 @@ class ServerConfig:
     max_wait_ms: float = 5.0  # longest a request waits for others to join its step
     max_draft_tokens: int = 16  # longest accepted draft
     max_draft_top_k: int = 64  # largest sparse draft distribution per token
+    # KV of prompt prefixes that different sessions share (system prompts), kept for new sessions; 0 turns it off.
+    prefix_cache_tokens: int = 1024
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
     auth_token: str | None = None  # when set, Open must carry it
     metrics_port: int | None = None  # Prometheus exporter; None disables it
@@ -44,6 +46,8 @@ class ServerConfig:
             positive(name)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if self.max_batch_tokens < self.max_draft_tokens + 1:

@@ -26,6 +26,7 @@ from .kv_cache import KVCache
 from .metrics import Metrics
 from .model_loader import Target
 from .model_runner import ModelInput, ModelRunner
+from .prefix_cache import PrefixCache
 from .scheduler import Plan, Scheduler, VerifyWork
 from .sessions import LENGTH, DraftRequest, OpenRequest, Session, Verdict, commit_tokens
 
@@ -44,6 +45,7 @@ class Engine:
         self.kv = KVCache(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
                           config.max_seq_len, head_dim, param.dtype, param.device)
         self.runner = ModelRunner(target.model, self.kv, attention, config.linear)
+        self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_tokens)
         self.scheduler = Scheduler(config)
         self.metrics = Metrics(max_positions=config.max_draft_tokens)
         self.vocab_size = self.runner.vocab_size
@@ -90,6 +92,7 @@ class Engine:
             "queue_wait_seconds_total": m.queue_wait_seconds_total,
             "forward_seconds_total": m.forward_seconds_total,
             "sessions_opened": m.sessions_opened,
+            "prefix_cache_hit_tokens": m.prefix_cache_hit_tokens,
         }
 
     # ---- lifecycle ----
@@ -223,6 +226,9 @@ class Engine:
         session = Session(id=uuid.uuid4().hex, slot=slot, tokens=list(req.context_token_ids),
                           sampling=req.sampling, remaining=req.max_tokens,
                           stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id)
+        session.kv_len = self.prefix_cache.load(slot, session.tokens)
+        if session.kv_len:
+            self.metrics.record_prefix_hit(session.kv_len)
         self._sessions[session.id] = session
         self.metrics.sessions_opened += 1
         self.metrics.active_sessions.set(len(self._sessions))
@@ -293,6 +299,8 @@ class Engine:
             return
         for p in plan.prefills:
             p.session.kv_len += p.length
+            if p.session.prefilled:
+                self.prefix_cache.observe(p.session.slot, p.session.tokens, p.session.kv_len)
         step = time.monotonic() - t0
         self._record_cost(int(inp.token_ids.numel()), forward)
         load = {"step_ms": step * 1000.0, "step_tokens": int(inp.token_ids.numel()),

@@ -18,6 +18,7 @@ class Metrics:
     accepted_tokens: int = 0
     emitted_tokens: int = 0
     prefill_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt positions copied from the prefix cache instead of prefilled
     max_step_sessions: int = 0
     sessions_opened: int = 0
     sessions_refused: int = 0
@@ -42,6 +43,8 @@ class Metrics:
                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self._p_step = Histogram("sled_step_seconds", "engine step time", registry=r)
         self._p_wait = Histogram("sled_queue_wait_seconds", "time a draft waited for its step", registry=r)
+        self._p_prefix_hits = Counter("sled_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                      registry=r)
         self.active_sessions = Gauge("sled_active_sessions", "sessions holding a KV slot", registry=r)
 
     def record_step(self, sessions: int, prefill_tokens: int, seconds: float, waits: list[float],
@@ -59,6 +62,11 @@ class Metrics:
             self._p_batch.observe(sessions)
         for w in waits:
             self._p_wait.observe(w)
+
+    def record_prefix_hit(self, tokens: int) -> None:
+        with self._lock:
+            self.prefix_cache_hit_tokens += tokens
+        self._p_prefix_hits.inc(tokens)
 
     def record_verification(self, num_draft: int, num_accepted: int, emitted: int) -> None:
         with self._lock:

@@ -100,3 +100,34 @@ def test_runner_logits_match_transformers(target):
         assert torch.allclose(got, want[7:], atol=2e-3)
         kv.free(a)
         kv.free(b)
+
+
+def test_prompts_sharing_a_system_prompt_reuse_its_kv_and_decode_unchanged(make_server, tokenizer, reference_greedy,
+                                                                            target):
+    import torch
+
+    from edge_client.workload import QUESTIONS
+
+    server = make_server()
+    prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q}])) for q in QUESTIONS[:6]]
+    shared = min(next(i for i, (a, b) in enumerate(zip(p, prompts[0])) if a != b) for p in prompts[1:])
+    assert shared >= 16  # the chat template's system prompt
+    # Two prompts first, so that what they share is kept; then four that start with it.
+    first = run(_generate_all(server.address, tokenizer, [(ids, "llama-cpp") for ids in prompts[:2]], 32))
+    engine = server.engine
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0 and len(engine.prefix_cache) == 1
+    entry = next(iter(engine.prefix_cache._entries.values()))
+    assert entry.tokens.tolist() == prompts[0][:shared]
+    # The kept keys and values are the target's own for those tokens (transformers, computed alone).
+    with torch.inference_mode():
+        past = target.model(torch.tensor([prompts[0][:shared]]), use_cache=True).past_key_values
+    for layer in (0, target.model.config.num_hidden_layers - 1):
+        k, v = (past.layers[layer].keys, past.layers[layer].values) if hasattr(past, "layers") else past[layer]
+        assert torch.allclose(entry.k[layer], k[0], atol=2e-3) and torch.allclose(entry.v[layer], v[0], atol=2e-3)
+    rest = run(_generate_all(server.address, tokenizer, [(ids, "llama-cpp") for ids in prompts[2:]], 32))
+    for ids, result in zip(prompts, first + rest):
+        assert result.token_ids == reference_greedy(tuple(ids), 32), tokenizer.decode(ids)
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == 4 * shared
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in prompts) - 4 * shared
+    assert engine.kv.num_free == engine.config.max_sessions

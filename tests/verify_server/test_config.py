@@ -24,6 +24,7 @@ def test_server_section_is_accepted(tmp_path):
     ("max_wait_ms: fast\n", "max_wait_ms must be a number"),
     ("dtype: int8\n", "dtype must be"),
     ("linear: fast\n", "linear must be auto, onednn or reference"),
+    ("prefix_cache_tokens: -1\n", "prefix_cache_tokens must be >= 0"),
     ("colour: blue\n", "unknown server settings ['colour']"),
     ("target: random:llama-3b\n", "random target must be random:NAME (llama-1b, llama-8b, llama-tiny)"),
     ("target: random:/nowhere/shape.json\n", "random target config /nowhere/shape.json does not exist"),
