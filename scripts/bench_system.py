@@ -4,7 +4,8 @@
 
 1. Record: for each prompt, the target's greedy output (through SLED) and, at every prefix of it,
    the real drafter's greedy proposal of up to 8 tokens (llama.cpp Q4_1); and one drafter's time per
-   token when it runs alone on this machine (a device has its own hardware).
+   token when it runs alone on this machine before the server starts (a device has its own hardware; the
+   median of three runs).
 2. Replay: devices propose exactly what the real drafter proposes at their context (contexts are
    prefixes of the fixed greedy output), sleeping for the drafting time instead of computing, so the
    server's capacity is measured apart from drafting: on one 2-core machine, drafters and server
@@ -205,6 +206,8 @@ def summarize(mode, n, w: Window):
     drafted = sum(r.draft_tokens for r in w.results)
     before, after = w.before, w.after
     steps = after.steps - before.steps
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    prefilled = after.prefill_tokens - before.prefill_tokens
     return {
         "mode": mode, "devices": n, "system_tokens_per_s": sum(per_device),
         "per_device_tokens_per_s": float(np.mean(per_device)),
@@ -217,6 +220,7 @@ def summarize(mode, n, w: Window):
         "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
         "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
+        "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else 0.0,
     }
 
 
@@ -299,13 +303,33 @@ def main() -> int:
         extra += ["--target", args.target]
 
     rows, adaptive_rows, waiting_rows = [], [], []
+    tokenizer = device_tokenizer()
+    ids = prompts(tokenizer, args.recordings)
+    alone_ms = []
+    if args.device_ms_per_token is not None:
+        device_spt = args.device_ms_per_token / 1000
+        print(f"[bench] drafting time per token as given: {device_spt * 1000:.1f} ms", flush=True)
+    else:
+        # Device-only, and the device's drafting time: one drafter alone, unverified, before the server starts (a
+        # device has its own hardware); the median of three runs, as this machine's speed wanders.
+        alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
+        for _ in range(3):
+            context = list(ids[0])
+            alone.begin(context, SamplingParams())
+            t1 = time.perf_counter()
+            for _ in range(args.max_tokens):
+                context += alone.propose(context, 1).token_ids
+            alone_ms.append((time.perf_counter() - t1) / args.max_tokens * 1000)
+        alone.close()
+        device_spt = float(np.median(alone_ms)) / 1000
+        print(f"[bench] one llama.cpp drafter alone: {', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; "
+              f"median {device_spt * 1000:.1f}", flush=True)
+    spt = device_spt
     server = ServerProcess("--max-sessions", str(top + 2), "--max-seq-len", "512", "--max-batch-sessions", str(top),
                            "--max-batch-tokens", str(max(512, top * 10)), "--max-wait-ms", str(args.max_wait_ms),
                            *extra)
     address = server.start()
     try:
-        tokenizer = device_tokenizer()
-        ids = prompts(tokenizer, args.recordings)
         fulls = None
         if args.draft_match is not None:
             print(f"[bench] synthesizing drafts from the target's greedy outputs ({args.recordings} prompts, "
@@ -316,21 +340,6 @@ def main() -> int:
             print(f"[bench] recording the llama.cpp drafter's proposals along {args.recordings} greedy outputs ...",
                   flush=True)
             tables = record_tables(address, tokenizer, ids, args.max_tokens)
-        if args.device_ms_per_token is not None:
-            device_spt = args.device_ms_per_token / 1000
-            print(f"[bench] drafting time per token as given: {device_spt * 1000:.1f} ms", flush=True)
-        else:
-            # Device-only, and the device's drafting time: one drafter alone, unverified, on this machine.
-            alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
-            context = list(ids[0])
-            alone.begin(context, SamplingParams())
-            t1 = time.perf_counter()
-            for _ in range(args.max_tokens):
-                context += alone.propose(context, 1).token_ids
-            device_spt = (time.perf_counter() - t1) / args.max_tokens
-            alone.close()
-            print(f"[bench] one llama.cpp drafter alone: {device_spt * 1000:.1f} ms/token", flush=True)
-        spt = device_spt
 
         plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead")]
         # Every configuration runs --repeats times, the order reversed on every other pass so that a slow
@@ -440,8 +449,14 @@ def main() -> int:
         f"- machine: {machine()}" + (f", GPU: {gpu} (the server's)" if gpu else " (no GPU)") + "\n"
         f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
         + target_line
-        + f"replayed at {spt * 1000:.1f} ms/token of drafting per device; `sled` uses the "
-        f"adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"
+        + f"replayed at {spt * 1000:.1f} ms/token of drafting per device"
+        + (f" (one llama.cpp drafter alone, 1 thread, before the server started: "
+           f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; the median)" if alone_ms else "")
+        + f"; `sled` uses the adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"
+        "- server: prefix cache on (the default); every prompt starts with the chat template's "
+        f"system prompt, so prompt tokens copied from the prefix cache (sled / server-only): "
+        + ", ".join(f"{n} devices {by[('sled', n)]['prompt_tokens_from_prefix_cache']:.0%} / "
+                    f"{by[('server-only', n)]['prompt_tokens_from_prefix_cache']:.0%}" for n in counts) + "\n"
         f"- load: a closed loop, each device sending requests of {args.max_tokens} greedy tokens back to back (its "
         f"own turn through the {len(ids)} prompts); tokens/s count the tokens committed in a {args.seconds:g} s "
         f"window that opens {args.warmup_s:g} s after all devices start, so every device is busy all through it\n"
