@@ -165,9 +165,9 @@ class _Generation:
         self.drafting[1] += len(proposal.token_ids)
         return proposal
 
-    def commit(self, tokens: list[int], verified: bool) -> None:
+    def commit(self, tokens: list[int], verified: bool, ahead: list[int] = ()) -> None:
         self.context.extend(tokens)
-        self.drafter.accept(self.context)
+        self.drafter.accept(self.context, ahead)
         self.result.token_ids.extend(tokens)
         self.result.token_verified.extend([verified] * len(tokens))
         piece = self.decoder.feed(tokens)
@@ -312,7 +312,7 @@ class _Generation:
             if (len(ahead.token_ids) > 1 and verdict.n_accepted == len(proposal.token_ids)
                     and verdict.next_token == ahead.token_ids[0] and not verdict.finished):
                 self.carry = _cut(ahead, 1)
-            self.commit(committed, verified=True)
+            self.commit(committed, verified=True, ahead=self.carry.token_ids if self.carry else [])
             if verdict.finished:
                 r.finish_reason = verdict.finish_reason
                 return

@@ -81,7 +81,7 @@ class ReplayDrafter:
         time.sleep(self.spt * len(tokens))
         return Proposal(list(tokens))
 
-    def accept(self, context):
+    def accept(self, context, ahead=()):
         pass
 
     def close(self):
@@ -147,9 +147,9 @@ class Timeline:
     def __getattr__(self, name):
         return getattr(self.drafter, name)
 
-    def accept(self, context):
+    def accept(self, context, ahead=()):
         self.commits.append(time.perf_counter())
-        self.drafter.accept(context)
+        self.drafter.accept(context, ahead)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,8 +41,10 @@ class Drafter(Protocol):
     def propose(self, context: list[int], k: int) -> Proposal:
         """Up to k tokens that continue `context` (the committed tokens)."""
 
-    def accept(self, context: list[int]) -> None:
-        """The verdict is in and `context` is committed: drop any state past what agrees with it."""
+    def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
+        """The verdict is in and `context` is committed: drop any state past what agrees with it. `ahead` are
+        tokens drafted ahead that continue `context` and go out next: state for them may be kept (a KV cache
+        keeps their keys and values rather than computing them again); they are not committed."""
 
     def close(self) -> None: ...
 
@@ -60,7 +63,7 @@ class NoDrafter:
     def propose(self, context: list[int], k: int) -> Proposal:
         return Proposal([])
 
-    def accept(self, context: list[int]) -> None:
+    def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
         pass
 
     def close(self) -> None:

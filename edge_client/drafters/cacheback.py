@@ -10,6 +10,7 @@ Longer leaders are tried first. The tables outlive a session, so a device warms 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from ..sampling import SamplingParams
 from .base import DrafterOptions, Proposal
@@ -64,7 +65,8 @@ class CachebackDrafter:
         self._seen = 0
         self.accept(context)
 
-    def accept(self, context: list[int]) -> None:
+    def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
+        # Only committed tokens are learned: `ahead` is not verified yet.
         if len(context) > self._seen:
             self.ingest(context, self._seen)
             self._seen = len(context)

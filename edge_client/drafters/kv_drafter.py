@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..sampling import SamplingParams, sample, sparse_distribution
@@ -96,8 +98,10 @@ class KVDrafter:
             return Proposal(tokens)
         return Proposal(tokens, q_ids, q_probs)
 
-    def accept(self, context: list[int]) -> None:
-        self.rollback(common_prefix(self._evaluated, context))
+    def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
+        # Drafted-ahead tokens that continue the committed context keep their cache entries: they are proposed
+        # next, and evaluating them again would cost a batch of drafter time every round accepted whole.
+        self.rollback(common_prefix(self._evaluated, list(context) + list(ahead)))
 
     def close(self) -> None:
         pass

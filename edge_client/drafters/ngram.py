@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -34,7 +36,7 @@ class NgramDrafter:
     def propose(self, context: list[int], k: int) -> Proposal:
         return Proposal(lookup(context, k, self.n_max, self.n_min) if k > 0 else [])
 
-    def accept(self, context: list[int]) -> None:
+    def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
         pass
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ class TableDrafter(KVDrafter):
         super().__init__(DrafterOptions(top_k_cap=V), EOS, 4096)
         self.table = table
         self.proposed = 0  # tokens drafted, used or not
+        self.fed: list[tuple[int, int]] = []  # (position, token) of every token evaluated into the cache
 
     def propose(self, context, k):
         proposal = super().propose(context, k)
@@ -65,6 +66,7 @@ class TableDrafter(KVDrafter):
         return proposal
 
     def _eval(self, tokens):
+        self.fed += [(len(self._evaluated) + i, t) for i, t in enumerate(tokens)]
         return np.log(self.table[tokens[-1]]).astype(np.float32)
 
     def _truncate(self, length):
@@ -207,3 +209,38 @@ def test_seeded_runs_repeat_exactly_however_much_was_drafted_ahead():
         counts[name] = sum(d.proposed for d in drafters)
     assert texts["plain"] == texts["ahead-short"] == texts["ahead-long"]
     assert counts["ahead-long"] > counts["plain"]  # drafting ahead drew tokens that were never sent
+
+
+def cycle(*succ):
+    """A greedy table whose argmax after token t is succ[t]."""
+    table = np.full((V, V), 0.1)
+    table[np.arange(V), succ] = 0.7
+    return table
+
+
+@pytest.mark.parametrize("target,k,hits_only", [(cycle(1, 2, 3, 1), 3, True), (cycle(1, 2, 3, 0), 2, False)],
+                         ids=["all-hits", "hits-and-misses"])
+def test_tokens_drafted_ahead_are_not_evaluated_again_when_they_go_out(target, k, hits_only):
+    """A round accepted whole with the guessed bonus sends the tokens drafted ahead; the drafter's cache keeps
+    them (their keys and values are already there), so each position is evaluated once as long as no verdict
+    contradicts it. Evaluating them again costs a real drafter a batch of work every such round."""
+    async def main():
+        drafter = TableDrafter(cycle(1, 2, 3, 1))
+        result = await generate(FakeClient(0, 0.004, max_tokens=40, target=target), drafter, TOKENIZER, PROMPT,
+                                max_tokens=40, draft_tokens=k, adaptive=False)
+        return drafter, result
+
+    drafter, result = asyncio.run(main())
+    assert result.ahead_rounds > 2
+    want, last = [], PROMPT[-1]
+    for _ in range(40):
+        last = int(np.argmax(target[last]))
+        want.append(last)
+    assert result.token_ids == want
+    positions = [pos for pos, _ in drafter.fed]
+    if hits_only:
+        assert result.accepted_tokens == result.draft_tokens
+        assert len(positions) == len(set(positions))
+    else:
+        # After a miss a position is evaluated again, with the target's token: never the same token twice.
+        assert len(drafter.fed) == len(set(drafter.fed))
