@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -165,7 +166,7 @@ class _Generation:
         self.drafting[1] += len(proposal.token_ids)
         return proposal
 
-    def commit(self, tokens: list[int], verified: bool, ahead: list[int] = ()) -> None:
+    def commit(self, tokens: list[int], verified: bool, ahead: Sequence[int] = ()) -> None:
         self.context.extend(tokens)
         self.drafter.accept(self.context, ahead)
         self.result.token_ids.extend(tokens)

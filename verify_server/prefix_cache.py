@@ -42,7 +42,11 @@ class PrefixCache:
         self.min_tokens = min_tokens
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU order, oldest first
         self._recent: deque[np.ndarray] = deque(maxlen=recent)  # prompts seen lately, for new entries
-        self.tokens = 0  # tokens held over all entries
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held over all entries."""
+        return sum(len(e.tokens) for e in self._entries.values())
 
     @property
     def enabled(self) -> bool:
@@ -93,12 +97,8 @@ class PrefixCache:
         # A kept prefix of the new one is now redundant.
         for k, entry in list(self._entries.items()):
             if len(entry.tokens) <= shared and common_prefix(entry.tokens, key) == len(entry.tokens):
-                self._drop(k)
+                del self._entries[k]
         while self.tokens + shared > self.max_tokens:
-            self._drop(next(iter(self._entries)))
+            self._entries.popitem(last=False)
         self._entries[key.tobytes()] = Entry(key.copy(), self.kv.k[:, slot, :, :shared].clone(),
                                              self.kv.v[:, slot, :, :shared].clone())
-        self.tokens += shared
-
-    def _drop(self, key: bytes) -> None:
-        self.tokens -= len(self._entries.pop(key).tokens)
