@@ -93,7 +93,7 @@ class ModelRunner:
         h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin_signed[positions].unsqueeze(1)
-        masks = causal_masks(inp.segments, self.device, self.num_heads // self.num_kv_heads)
+        masks = causal_masks(inp.segments, self.device, self.num_heads // self.num_kv_heads, self.dtype)
         for i, layer in enumerate(self.layers):
             qkv_proj, o_proj, gate_up_proj, down_proj = self.proj[i]
             q, k, v = qkv_proj(_rms_norm(h, layer.input_layernorm.weight, self.eps))

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.attention import Segment, attention_reference, attention_sdpa
+from kernels.attention import Segment, attention_reference, attention_sdpa, causal_masks
 from verify_server.errors import SledError
 from verify_server.kv_cache import KVCache
 
@@ -19,15 +19,27 @@ def test_slots_allocate_free_and_refuse_when_full():
         kv.free(7)
 
 
-def test_sdpa_attention_matches_reference_on_a_ragged_batch():
-    g = torch.Generator().manual_seed(0)
-    k = torch.randn(3, 2, 16, 8, generator=g)  # [slots, kv_heads, max_len, dim]
-    v = torch.randn(3, 2, 16, 8, generator=g)
-    segments = [Segment(2, 0, 5, 12), Segment(0, 5, 1, 7), Segment(1, 6, 3, 3)]
-    q = torch.randn(9, 6, 8, generator=g)  # 6 query heads over 2 kv heads
+@pytest.mark.parametrize("lengths", [[(2, 5, 12), (0, 1, 7), (1, 3, 3)],  # draft, decode and prompt segments
+                                     [(1, 1, 9)],  # one decode token: the whole output is its segment's
+                                     [(0, 40, 45), (2, 1, 16), (1, 33, 40)],  # past MATMUL_MAX_TOKENS: fused sdpa
+                                     [(0, 32, 48)]])
+def test_sdpa_attention_matches_reference_on_a_ragged_batch(lengths):
+    g = torch.Generator().manual_seed(len(lengths))
+    k = torch.randn(3, 2, 48, 8, generator=g)  # [slots, kv_heads, max_len, dim]
+    v = torch.randn(3, 2, 48, 8, generator=g)
+    segments, start = [], 0
+    for slot, length, context in lengths:
+        segments.append(Segment(slot, start, length, context))
+        start += length
+    q = torch.randn(start, 6, 8, generator=g)  # 6 query heads over 2 kv heads
     want = attention_reference(q, k, v, segments, 0.35)
     assert torch.allclose(attention_sdpa(q, k, v, segments, 0.35), want, atol=1e-5)
+    masks = causal_masks(segments, q.device, 3)
+    assert torch.allclose(attention_sdpa(q, k, v, segments, 0.35, masks), want, atol=1e-5)
     # Rolling back is a length: positions past context_len never leak in.
-    k2 = k.clone()
-    k2[2, :, 12:] = 1e4
-    assert torch.allclose(attention_reference(q, k2, v, segments, 0.35), want)
+    k2, v2 = k.clone(), v.clone()
+    for seg in segments:
+        k2[seg.slot, :, seg.context_len:] = 1e4
+        v2[seg.slot, :, seg.context_len:] = 1e4
+    assert torch.allclose(attention_reference(q, k2, v2, segments, 0.35), want)
+    assert torch.allclose(attention_sdpa(q, k2, v2, segments, 0.35), want, atol=1e-5)
