@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
+from .adaptive import AdaptiveDraftLength
 from .config import EdgeConfig
 from .drafters import DrafterOptions, create_drafter
 from .generation import GenerationResult, Resilience, generate
@@ -61,18 +62,24 @@ class Agent:
         self._options = DrafterOptions(model_path=config.draft_model, onnx_model=config.onnx_model,
                                        threads=config.threads, gpu_layers=config.gpu_layers,
                                        context_size=config.context_size)
+        # Idle (drafter, draft-length controller) pairs: a controller stays with its drafter across requests, as
+        # what it measures (acceptance, drafting time, round trip) is that drafter's and the server's.
         self._idle: asyncio.Queue = asyncio.Queue()
         # Made now so a bad drafter setting fails at start; it then serves the first request.
-        self._idle.put_nowait(create_drafter(config.drafter, self._options))
+        self._idle.put_nowait((create_drafter(config.drafter, self._options), self._controller()))
         self._made = 1
         self._slots = asyncio.Semaphore(config.max_concurrent)
         self.active = 0
         self.served = 0
 
-    async def _drafter(self):
+    def _controller(self) -> AdaptiveDraftLength:
+        k = max(self.config.max_draft_tokens, 1)
+        return AdaptiveDraftLength(k_max=k, k_initial=k, ahead=self.config.draft_ahead)
+
+    async def _drafter(self) -> tuple:
         if self._idle.empty() and self._made < self.config.max_concurrent:
             self._made += 1
-            return await asyncio.to_thread(create_drafter, self.config.drafter, self._options)
+            return await asyncio.to_thread(create_drafter, self.config.drafter, self._options), self._controller()
         return await self._idle.get()
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, stops: list[str],
@@ -88,20 +95,20 @@ class Agent:
                 on_text(out, verified)
 
         async with self._slots:
-            drafter = await self._drafter()
+            drafter, controller = await self._drafter()
             self.active += 1
             try:
                 result = await generate(self.client, drafter, self.tokenizer, prompt_ids, max_tokens=max_tokens,
                                         sampling=sampling, draft_tokens=self.config.draft_tokens, on_text=piece,
                                         adaptive=self.config.adaptive_draft,
                                         max_draft_tokens=self.config.max_draft_tokens,
-                                        draft_ahead=self.config.draft_ahead,
+                                        draft_ahead=self.config.draft_ahead, controller=controller,
                                         client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
                                         should_stop=lambda: stop.hit)
             finally:
                 self.active -= 1
                 self.served += 1
-                self._idle.put_nowait(drafter)
+                self._idle.put_nowait((drafter, controller))
         tail = stop.flush()
         if tail and on_text is not None:
             on_text(tail, True)
@@ -117,4 +124,4 @@ class Agent:
     async def close(self) -> None:
         await self.client.close()
         while not self._idle.empty():
-            self._idle.get_nowait().close()
+            self._idle.get_nowait()[0].close()

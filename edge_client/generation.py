@@ -378,13 +378,15 @@ async def generate(
     adaptive: bool = True,
     max_draft_tokens: int = 8,
     draft_ahead: bool = True,
+    controller: AdaptiveDraftLength | None = None,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
     With adaptive=True, K starts at max_draft_tokens (optimistic: a poor drafter is cut back after two
     rounds) and each round chooses K in 1..max_draft_tokens; draft_tokens is then only the on/off switch
     for drafting (0 = none). With adaptive=False, K is draft_tokens. draft_ahead=True drafts on while a
-    draft is verified (see the module docstring).
+    draft is verified (see the module docstring). `controller` is the device's adaptive draft-length controller, kept
+    across its requests so that each starts from what the earlier ones measured; None makes a fresh one.
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
@@ -392,8 +394,13 @@ async def generate(
         raise ValueError("max_tokens must be at least 1")
     if draft_tokens < 0:
         raise ValueError("draft_tokens must be >= 0")
-    controller = (AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=max(max_draft_tokens, 1),
-                                      ahead=draft_ahead) if adaptive else None)
+    if not adaptive:
+        controller = None
+    elif controller is None:
+        controller = AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=max(max_draft_tokens, 1),
+                                         ahead=draft_ahead)
+    else:
+        controller.configure(max(max_draft_tokens, controller.k_min), draft_ahead)
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
                       stop_token_ids, on_text, client_id, resilience, should_stop, controller, draft_ahead)
     return await run.run()

@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+from .adaptive import AdaptiveDraftLength
 from .config import EdgeConfig
 from .drafters import DrafterOptions, create_drafter
 from .generation import Resilience, generate
@@ -33,6 +34,8 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
     client = VerifierClient(config.server, config.auth_token)
     resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                             round_timeout_s=config.round_timeout_s)
+    k = max(config.max_draft_tokens, 1)
+    controller = AdaptiveDraftLength(k_max=k, k_initial=k, ahead=config.draft_ahead)  # kept across the requests
     runs = []
     start = time.perf_counter()
     try:
@@ -42,7 +45,8 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
             sampling = SamplingParams(temperature=temperature, seed=offset + i if temperature > 0 else None)
             r = await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens, sampling=sampling,
                                draft_tokens=config.draft_tokens, client_id=name, resilience=resilience,
-                               adaptive=config.adaptive_draft, max_draft_tokens=config.max_draft_tokens)
+                               adaptive=config.adaptive_draft, max_draft_tokens=config.max_draft_tokens,
+                               draft_ahead=config.draft_ahead, controller=controller)
             runs.append(r)
             log(f"[{name}] request {i + 1}/{requests}: {len(r.token_ids)} tokens, {r.tokens_per_second:.1f} tok/s, "
                 f"acceptance {r.acceptance_rate:.2f}")

@@ -49,6 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from edge_client.adaptive import AdaptiveDraftLength  # noqa: E402
 from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
@@ -177,12 +178,14 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
 
     async def device(d):
         rounds, results, j = [], [], 0
+        # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
+        controller = AdaptiveDraftLength(k_max=K_MAX, k_initial=K_MAX, ahead=draft_ahead) if adaptive else None
         while time.perf_counter() < end:
             p = (d + j) % len(prompt_ids)
             drafter = Timeline(make_drafter(p))
             r = await generate(client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
-                               adaptive=adaptive, draft_ahead=draft_ahead,
-                               should_stop=lambda: time.perf_counter() >= end)
+                               adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
+                               controller=controller, should_stop=lambda: time.perf_counter() >= end)
             rounds += [x for x in zip(drafter.commits, r.round_tokens, r.round_times) if start <= x[0] < end]
             results.append(r)
             j += 1

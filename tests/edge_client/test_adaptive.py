@@ -67,3 +67,56 @@ def test_the_drafters_own_speed_is_used_when_reported():
     for _ in range(16):
         free.samples.append(RoundSample(4, 3, 0.0, 0.025, 0.001))
     assert free.choose() >= 7
+
+
+def test_configure_keeps_what_was_learned_within_the_new_bounds():
+    ctrl = AdaptiveDraftLength(k_max=8, k_initial=8)
+    feed(ctrl, 16, None, lambda k: 0, draft_s=0.01, rtt_s=0.02, server_token_s=0.004)
+    assert ctrl.k == 1 and len(ctrl.samples) == 16
+    ctrl.configure(4, ahead=True)
+    assert (ctrl.k, ctrl.k_max, ctrl.ahead, len(ctrl.samples)) == (1, 4, True, 16)
+    ctrl.k = 4
+    ctrl.configure(2, ahead=False)
+    assert (ctrl.k, ctrl.k_max) == (2, 2)
+    with pytest.raises(ValueError, match="k_max"):
+        ctrl.configure(0, ahead=False)
+
+
+def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_request():
+    """A drafter the target always rejects: the first request learns K = 1 after two rounds at K = 8. With the
+    controller kept, the next request starts at K = 1; a fresh controller starts over at 8."""
+    import asyncio
+
+    from edge_client.generation import generate
+    from tests.edge_client.test_draft_ahead import P_GREEDY, PROMPT, TOKENIZER, FakeClient, TableDrafter, cycle
+
+    sent: list[list[int]] = []
+
+    class Recording(FakeClient):
+        async def open(self, msg, timeout=None, wait_for_ready=True):
+            session = await super().open(msg, timeout, wait_for_ready)
+            verify = session.verify
+
+            async def recorded(round_, proposal):
+                sent[-1].append(len(proposal.token_ids))
+                return await verify(round_, proposal)
+
+            session.verify = recorded
+            return session
+
+    async def request(controller):
+        sent.append([])
+        await generate(Recording(0, 0.001, max_tokens=12, target=P_GREEDY), TableDrafter(cycle(2, 3, 1, 0)),
+                       TOKENIZER, PROMPT, max_tokens=12, draft_ahead=False, controller=controller)
+
+    async def main():
+        kept = AdaptiveDraftLength(k_max=8, k_initial=8)
+        await request(kept)
+        await request(kept)
+        await request(None)
+
+    asyncio.run(main())
+    first, second, fresh = sent
+    assert first[:2] == [8, 8] and first[-1] == 1
+    assert second[0] == 1 and set(second) == {1}
+    assert fresh[:2] == [8, 8]
