@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
     p.add_argument("--attention", choices=["sdpa", "reference"], default="sdpa",
-                   help="attention kernel: fused sdpa or the plain reference (default sdpa)")
+                   help="attention kernel: fused sdpa (short CPU segments as two batched matmuls) or the plain reference "
+                        "(default sdpa)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p
 
