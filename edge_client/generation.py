@@ -382,11 +382,12 @@ async def generate(
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
-    With adaptive=True, K starts at max_draft_tokens (optimistic: a poor drafter is cut back after two
-    rounds) and each round chooses K in 1..max_draft_tokens; draft_tokens is then only the on/off switch
-    for drafting (0 = none). With adaptive=False, K is draft_tokens. draft_ahead=True drafts on while a
-    draft is verified (see the module docstring). `controller` is the device's adaptive draft-length controller, kept
-    across its requests so that each starts from what the earlier ones measured; None makes a fresh one.
+    With adaptive=True, K starts at max_draft_tokens, or where a kept `controller` left it (optimistic: a
+    poor drafter is cut back after two rounds), and each round chooses K in 1..max_draft_tokens; draft_tokens
+    is then only the on/off switch for drafting (0 = none). With adaptive=False, K is draft_tokens.
+    draft_ahead=True drafts on while a draft is verified (see the module docstring). `controller` is the
+    device's adaptive draft-length controller, kept across its requests so that each starts from what the
+    earlier ones measured; None makes a fresh one.
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
