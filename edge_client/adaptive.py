@@ -16,11 +16,14 @@ A device keeps one controller across its requests (`generate(..., controller=)`)
 round trip describe the device, its drafter and the server, not one request. A fresh controller per request
 guesses from its first two or three rounds every time; at a loaded server, where each round costs a long round
 trip, those short guessed drafts cost 5-10% of system throughput in the benchmark at 16 devices.
+After an idle spell longer than max_age_s (120 s) the next request measures afresh, starting from the last K.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -35,23 +38,31 @@ class RoundSample:
 
 
 class AdaptiveDraftLength:
-    def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, window: int = 16, ahead: bool = False):
+    def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, window: int = 16, ahead: bool = False,
+                 max_age_s: float = 120.0, clock: Callable[[], float] = time.monotonic):
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
         self.k_max, self.k_min, self.ahead = k_max, k_min, ahead
         self.k = min(max(k_initial, k_min), k_max)
         self.samples: deque[RoundSample] = deque(maxlen=window)
+        self.max_age_s, self.clock = max_age_s, clock
+        self.last_observed: float | None = None
 
     def configure(self, k_max: int, ahead: bool) -> None:
-        """A new request's bounds and mode; what was learned stays."""
+        """A new request's bounds and mode; what was learned stays, unless the device has been idle for longer
+        than max_age_s: the server's load and round trip may have changed since, so the samples are dropped
+        (the last K stays as the first guess)."""
         if k_max < self.k_min:
             raise ValueError(f"need k_max >= k_min = {self.k_min}, got {k_max}")
         self.k_max, self.ahead = k_max, ahead
         self.k = min(max(self.k, self.k_min), k_max)
+        if self.last_observed is not None and self.clock() - self.last_observed > self.max_age_s:
+            self.samples.clear()
 
     def observe(self, sample: RoundSample) -> None:
         if sample.drafted > 0:
             self.samples.append(sample)
+            self.last_observed = self.clock()
             self.k = self.choose()
 
     def acceptance(self) -> float:

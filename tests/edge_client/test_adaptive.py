@@ -82,6 +82,18 @@ def test_configure_keeps_what_was_learned_within_the_new_bounds():
         ctrl.configure(0, ahead=False)
 
 
+def test_samples_older_than_max_age_are_dropped_when_the_next_request_starts():
+    now = [0.0]
+    ctrl = AdaptiveDraftLength(k_max=8, k_initial=8, max_age_s=60.0, clock=lambda: now[0])
+    feed(ctrl, 16, None, lambda k: 0, draft_s=0.01, rtt_s=0.02, server_token_s=0.004)
+    now[0] = 59.0
+    ctrl.configure(8, ahead=True)
+    assert len(ctrl.samples) == 16  # a request soon after: kept
+    now[0] = 121.0
+    ctrl.configure(8, ahead=True)
+    assert len(ctrl.samples) == 0 and ctrl.k == 1  # idle for over a minute: measured again, from the last K
+
+
 def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_request():
     """A drafter the target always rejects: the first request learns K = 1 after two rounds at K = 8. With the
     controller kept, the next request starts at K = 1; a fresh controller starts over at 8."""
