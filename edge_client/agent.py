@@ -60,7 +60,7 @@ class Agent:
         self.resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                                      round_timeout_s=config.round_timeout_s)
         self._options = DrafterOptions(model_path=config.draft_model, onnx_model=config.onnx_model,
-                                       threads=config.threads, gpu_layers=config.gpu_layers,
+                                       threads=config.threads, gpu_layers=config.gpu_layers, flash_attn=config.flash_attn,
                                        context_size=config.context_size)
         # Idle (drafter, draft-length controller) pairs: a controller stays with its drafter across requests, as
         # what it measures (acceptance, drafting time, round trip) is that drafter's and the server's.

@@ -48,6 +48,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the model's chat template")
     p.add_argument("--threads", type=int, help="llama.cpp threads (default: llama.cpp's choice)")
     p.add_argument("--gpu-layers", type=int, default=0, help="llama.cpp layers offloaded to a GPU (default 0)")
+    p.add_argument("--flash-attn", action="store_true",
+                   help="llama.cpp flash attention: faster drafting, slightly different drafter logits (default off)")
     p.add_argument("--auth-token", help="bearer token the server requires, if any")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], default="wait",
                    help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
@@ -80,6 +82,8 @@ def _add_serve(sub) -> None:
                    help="draft on while a draft is verified (default on)")
     p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
     p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
+                   help="llama.cpp flash attention (default off)")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
     p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="port of the local API, 0 picks a free one (default 8080)")
@@ -146,7 +150,8 @@ async def _generate(args) -> dict:
         raise ValueError("--draft-tokens must be >= 0")
     tokenizer = Tokenizer(args.tokenizer or args.draft_model)
     drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, onnx_model=args.onnx_model,
-                                                          threads=args.threads, gpu_layers=args.gpu_layers))
+                                                          threads=args.threads, gpu_layers=args.gpu_layers,
+                                                          flash_attn=args.flash_attn))
     text = args.prompt
     if args.chat:
         text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])

@@ -25,6 +25,9 @@ class EdgeConfig:
     draft_ahead: bool = True  # draft on while a draft is verified, used when the server accepts it all
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
     gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
+    # llama.cpp flash attention: off by default. On the 2-core x86 test host it drafts 8% faster, and the
+    # drafter agreed with the target's greedy tokens 97.0% of the time instead of 97.5%.
+    flash_attn: bool = False
     context_size: int = 4096  # drafter context
     auth_token: str | None = None  # the verify server's bearer token
     fallback: str = "wait"  # wait | local | fail while the server is unreachable

@@ -30,7 +30,7 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
     tokenizer = Tokenizer(config.tokenizer or config.draft_model)
     drafter = create_drafter(config.drafter, DrafterOptions(
         model_path=config.draft_model, onnx_model=config.onnx_model, threads=config.threads,
-        gpu_layers=config.gpu_layers, context_size=config.context_size))
+        gpu_layers=config.gpu_layers, flash_attn=config.flash_attn, context_size=config.context_size))
     client = VerifierClient(config.server, config.auth_token)
     resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                             round_timeout_s=config.round_timeout_s)

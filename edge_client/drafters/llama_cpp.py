@@ -19,7 +19,7 @@ class LlamaCppDrafter(KVDrafter):
         kwargs = {"n_threads": options.threads} if options.threads else {}
         with quiet_native_stderr():
             self.llm = llama_cpp.Llama(str(self.path), n_ctx=options.context_size, n_gpu_layers=options.gpu_layers,
-                                       logits_all=False, verbose=False, **kwargs)
+                                       flash_attn=options.flash_attn, logits_all=False, verbose=False, **kwargs)
         self.vocab_size = self.llm.n_vocab()
         super().__init__(options, self.llm.token_eos(), options.context_size)
 

@@ -24,6 +24,9 @@ def test_flags_override_yaml(tmp_path):
     f.write_text("device:\n  server: a:1\n  drafter: ngram\n  http_port: 9000\n")
     cfg = load_edge_config(f, drafter="cacheback", http_port=None)
     assert (cfg.server, cfg.drafter, cfg.http_port) == ("a:1", "cacheback", 9000)
+    f.write_text("flash_attn: true\n")
+    assert load_edge_config(f).flash_attn and not load_edge_config(f, flash_attn=False).flash_attn
+    assert not EdgeConfig().flash_attn
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -34,6 +37,7 @@ def test_flags_override_yaml(tmp_path):
     ("max_concurrent: 0\n", "max_concurrent must be positive"),
     ("drafter: onnx\n", "needs onnx_model"),
     ("http_port: eighty\n", "http_port must be an integer"),
+    ("flash_attn: maybe\n", "flash_attn must be true or false"),
     ("colour: red\n", "unknown device settings ['colour']"),
 ])
 def test_bad_settings_are_clear_errors(tmp_path, text, needle):

@@ -42,8 +42,9 @@ def test_sample_draws_from_exactly_the_sent_distribution():
 
 
 @pytest.mark.model
-def test_llama_cpp_drafter_rolls_back_to_the_committed_context(tokenizer):
-    opts = DrafterOptions(context_size=256, threads=1)
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["attention", "flash-attention"])
+def test_llama_cpp_drafter_rolls_back_to_the_committed_context(tokenizer, flash_attn):
+    opts = DrafterOptions(context_size=256, threads=1, flash_attn=flash_attn)
     drafter, fresh = create_drafter("llama-cpp", opts), create_drafter("llama-cpp", opts)
     context = tokenizer.encode("The capital of France is Paris. The capital of Spain is")
     drafter.begin(context, SamplingParams())
