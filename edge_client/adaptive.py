@@ -48,6 +48,13 @@ class AdaptiveDraftLength:
         self.max_age_s, self.clock = max_age_s, clock
         self.last_observed: float | None = None
 
+    @classmethod
+    def for_device(cls, max_draft_tokens: int, ahead: bool) -> AdaptiveDraftLength:
+        """A device's new controller: K starts at its bound (optimistic: a poor drafter is cut back after two
+        rounds)."""
+        k = max(max_draft_tokens, 1)
+        return cls(k_max=k, k_initial=k, ahead=ahead)
+
     def configure(self, k_max: int, ahead: bool) -> None:
         """A new request's bounds and mode; what was learned stays, unless the device has been idle for longer
         than max_age_s: the server's load and round trip may have changed since, so the samples are dropped

@@ -73,8 +73,7 @@ class Agent:
         self.served = 0
 
     def _controller(self) -> AdaptiveDraftLength:
-        k = max(self.config.max_draft_tokens, 1)
-        return AdaptiveDraftLength(k_max=k, k_initial=k, ahead=self.config.draft_ahead)
+        return AdaptiveDraftLength.for_device(self.config.max_draft_tokens, self.config.draft_ahead)
 
     async def _drafter(self) -> tuple:
         if self._idle.empty() and self._made < self.config.max_concurrent:

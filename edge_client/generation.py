@@ -398,8 +398,7 @@ async def generate(
     if not adaptive:
         controller = None
     elif controller is None:
-        controller = AdaptiveDraftLength(k_max=max(max_draft_tokens, 1), k_initial=max(max_draft_tokens, 1),
-                                         ahead=draft_ahead)
+        controller = AdaptiveDraftLength.for_device(max_draft_tokens, draft_ahead)
     else:
         controller.configure(max(max_draft_tokens, controller.k_min), draft_ahead)
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,

@@ -34,8 +34,7 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
     client = VerifierClient(config.server, config.auth_token)
     resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                             round_timeout_s=config.round_timeout_s)
-    k = max(config.max_draft_tokens, 1)
-    controller = AdaptiveDraftLength(k_max=k, k_initial=k, ahead=config.draft_ahead)  # kept across the requests
+    controller = AdaptiveDraftLength.for_device(config.max_draft_tokens, config.draft_ahead)  # kept across requests
     runs = []
     start = time.perf_counter()
     try:

@@ -179,7 +179,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     async def device(d):
         rounds, results, j = [], [], 0
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
-        controller = AdaptiveDraftLength(k_max=K_MAX, k_initial=K_MAX, ahead=draft_ahead) if adaptive else None
+        controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
         while time.perf_counter() < end:
             p = (d + j) % len(prompt_ids)
             drafter = Timeline(make_drafter(p))

@@ -84,7 +84,7 @@ class PrefixCache:
         ids = np.asarray(prompt, dtype=np.int64)
         shared = 0
         for other in self._recent:
-            if len(other) != len(ids) or not np.array_equal(other, ids):
+            if not np.array_equal(other, ids):
                 shared = max(shared, common_prefix(other, ids))
         self._recent.append(ids)
         shared = min(shared, kv_len, self.max_tokens)
