@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--linear", choices=["auto", "onednn", "reference"],
                    help="projection kernel: onednn (CPU, weights prepacked once, a second copy in memory) or the plain "
                         "reference F.linear; auto picks onednn on CPU where it works (default auto)")
+    p.add_argument("--fused", choices=["auto", "on", "off"],
+                   help="the whole forward of small batches in one C call (float32 on CPU; built at first use with the "
+                        "system C compiler): auto uses it where it builds, on requires it, off keeps PyTorch "
+                        f"(default {d.fused})")
+    p.add_argument("--fused-max-tokens", type=int,
+                   help=f"largest batch, in tokens, that takes the fused path (default {d.fused_max_tokens})")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
     p.add_argument("--attention", choices=["sdpa", "reference"], default="sdpa",

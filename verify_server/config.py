@@ -33,6 +33,10 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus exporter; None disables it
     # Projection kernel: auto (onednn on CPU where it works, else reference) | onednn | reference.
     linear: str = "auto"
+    # The whole forward in one C call for batches of up to fused_max_tokens tokens (float32 on CPU, built at first
+    # use with the system C compiler): auto (where it builds, else PyTorch) | on (it or an error) | off.
+    fused: str = "auto"
+    fused_max_tokens: int = 8
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
 
@@ -61,6 +65,10 @@ class ServerConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.linear not in ("auto", "onednn", "reference"):
             raise ValueError(f"linear must be auto, onednn or reference, got {self.linear!r}")
+        if self.fused not in ("auto", "on", "off"):
+            raise ValueError(f"fused must be auto, on or off, got {self.fused!r}")
+        if self.fused_max_tokens < 0:
+            raise ValueError(f"fused_max_tokens must be >= 0, got {self.fused_max_tokens}")
         if self.target is not None and self.target.startswith("random:"):
             from .model_loader import random_target_shape
 

@@ -44,7 +44,7 @@ class Engine:
         param = next(target.model.parameters())
         self.kv = KVCache(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
                           config.max_seq_len, head_dim, param.dtype, param.device)
-        self.runner = ModelRunner(target.model, self.kv, attention, config.linear)
+        self.runner = ModelRunner(target.model, self.kv, attention, config.linear, config.fused, config.fused_max_tokens)
         self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_tokens)
         self.scheduler = Scheduler(config)
         self.metrics = Metrics(max_positions=config.max_draft_tokens)

@@ -85,9 +85,11 @@ def test_runner_logits_match_transformers(target):
     ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2, 30, 31])
     with torch.inference_mode():
         want = target.model(ids[None]).logits[0]
-    for attention, linear in (("sdpa", "onednn"), ("reference", "reference"), ("sdpa", "reference")):
-        runner = ModelRunner(target.model, kv, attention, linear)
-        assert runner.linear == linear
+    # The fused CPU step takes every batch here (up to 64 tokens); the others are PyTorch only.
+    for attention, linear, fused in (("sdpa", "onednn", "on"), ("sdpa", "onednn", "off"),
+                                     ("reference", "reference", "off"), ("sdpa", "reference", "off")):
+        runner = ModelRunner(target.model, kv, attention, linear, fused, fused_max_tokens=64)
+        assert runner.linear == linear and (runner.fused is not None) == (fused == "on")
         a, b = kv.allocate(), kv.allocate()
         # Slot a: whole sequence at once. Slot b: 7 tokens, then the other 5 against the cache.
         got = runner.forward(ModelInput(torch.cat([ids, ids[:7]]), torch.cat([torch.arange(12), torch.arange(7)]),

@@ -24,6 +24,8 @@ def test_server_section_is_accepted(tmp_path):
     ("max_wait_ms: fast\n", "max_wait_ms must be a number"),
     ("dtype: int8\n", "dtype must be"),
     ("linear: fast\n", "linear must be auto, onednn or reference"),
+    ("fused: fast\n", "fused must be auto, on or off"),
+    ("fused_max_tokens: -1\n", "fused_max_tokens must be >= 0"),
     ("prefix_cache_tokens: -1\n", "prefix_cache_tokens must be >= 0"),
     ("colour: blue\n", "unknown server settings ['colour']"),
     ("target: random:llama-3b\n", "random target must be random:NAME (llama-1b, llama-8b, llama-tiny)"),

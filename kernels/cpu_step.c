@@ -1,0 +1,319 @@
+/* The whole forward of a Llama-family target for a few tokens, float32 on CPU, in one call.
+ *
+ * At batch 1 a decode step streams every weight once; what a step costs beyond that stream
+ * is per-op overhead: through PyTorch a step is about 25 ops per layer, each a dispatch, and
+ * 121 matmul calls of about 11 us fixed cost each (measured, docs/benchmarks.md). Here one
+ * OpenMP parallel region runs every layer: matrix-vector products split by output rows
+ * across threads, everything else (norms, RoPE, KV writes, attention, SiLU) between
+ * barriers. Built at first use by kernels/cpu_step.py with the system C compiler for this
+ * CPU (-march=native); PyTorch's path stays the reference and the fallback.
+ *
+ * Semantics match verify_server.model_runner.ModelRunner.forward: row m of the batch is the
+ * token at position pos[m] of cache slot slot[m]; its key and value are written at that
+ * position, then it attends over positions [0, pos[m]] of its slot (the causal rule of a
+ * segment: a segment's tokens are consecutive positions ending at its context length).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
+#define VL 16
+/* Register blocking of the matrix products: RB weight rows by MB batch rows of accumulators. Measured over a
+ * step's 121 projections on the 2-core test host (AMD EPYC, AVX-512), 8 x 2 beat 4 x 4, 4 x 6, 8 x 1, 8 x 3,
+ * 12 x 2, 16 x 1 and 16 x 2 from 9 rows up (9 rows 21-24 ms against 29-32 for 4 x 4) and tied at 1 row. */
+#define RB 8
+#define MB 2
+
+static inline vf vload(const float *p) { return *(const vfu *)p; }
+
+static inline float hsum(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.f;
+    for (int i = 0; i < VL; ++i) s += v[i];
+    return s;
+#endif
+}
+
+/* e^x for 16 lanes, inputs clamped to [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor
+ * polynomial, 2^n put into the exponent bits; within 1e-7 relative of exp (sled_exp, tested). Softmax and SiLU
+ * call it per element: scalar expf cost a step several ms at 9 or more rows (one call per row, head and key). */
+typedef int32_t vi __attribute__((vector_size(64)));
+static inline vf vselect(vi mask, vf a, vf b) {  /* a where mask, else b */
+    vi ai, bi;
+    __builtin_memcpy(&ai, &a, sizeof a);
+    __builtin_memcpy(&bi, &b, sizeof b);
+    vi r = (ai & mask) | (bi & ~mask);
+    vf out;
+    __builtin_memcpy(&out, &r, sizeof out);
+    return out;
+}
+static inline vf vexp(vf x) {
+    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
+    x = vselect(x < lo, lo, x);
+    x = vselect(x > hi, hi, x);
+    /* n = round(x / ln2), as floor(x / ln2 + 0.5) over a positive range, since conversion truncates */
+    vi ni = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, vi) - 128;
+    vf n = __builtin_convertvector(ni, vf);
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;  /* ln2 in two parts: n * 0.693359375 is exact */
+    vf p = (vf){0} + 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    vi bits = (ni + 127) << 23;
+    vf scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* e^x of n floats in place */
+static void exp_inplace(float *v, int64_t n) {
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf x;
+        __builtin_memcpy(&x, v + i, sizeof x);
+        x = vexp(x);
+        __builtin_memcpy(v + i, &x, sizeof x);
+    }
+    if (i < n) {
+        vf x = (vf){0};
+        __builtin_memcpy(&x, v + i, (size_t)(n - i) * sizeof(float));
+        x = vexp(x);
+        __builtin_memcpy(v + i, &x, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+void sled_exp(float *v, int64_t n) { exp_inplace(v, n); }
+
+struct sled_layer {
+    const float *ln1, *ln2;            /* [hidden] */
+    const float *wqkv, *bqkv;          /* [nq + 2 nkv, hidden] row-major (q, k, v stacked), bias or NULL */
+    const float *wo, *bo;              /* [hidden, nq] */
+    const float *wgu, *bgu;            /* [2 inter, hidden] (gate, up stacked) */
+    const float *wd, *bd;              /* [hidden, inter] */
+    float *k_cache, *v_cache;          /* [slots, kv_heads, max_seq, head_dim], this layer */
+};
+
+struct sled_model {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, max_seq;
+    int64_t slot_stride, head_stride;  /* cache strides in floats: per slot, per kv head (a position is head_dim) */
+    float eps, scale;
+    const float *norm, *lm_head, *lm_bias; /* final norm [hidden], logits projection [vocab, hidden] */
+    const float *cos, *sin_signed;     /* [max_seq, head_dim] */
+    const struct sled_layer *layers;
+};
+
+/* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k], rows n split across threads. */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int mb, const float *w,
+                                                         int64_t K, float acc[MB][RB]) {
+    vf a[MB][RB];
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < RB; ++r) a[m][r] = (vf){0};
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf wv[RB];
+        for (int r = 0; r < RB; ++r) wv[r] = vload(w + r * K + k);
+        for (int m = 0; m < MB; ++m) {
+            if (m >= mb) break;
+            vf xv = vload(x + m * ldx + k);
+            for (int r = 0; r < RB; ++r) a[m][r] += wv[r] * xv;
+        }
+    }
+    for (int m = 0; m < MB; ++m) {
+        if (m >= mb) break;
+        for (int r = 0; r < RB; ++r) {
+            float s = hsum(a[m][r]);
+            for (int64_t j = k; j < K; ++j) s += w[r * K + j] * x[m * ldx + j];
+            acc[m][r] = s;
+        }
+    }
+}
+
+static void gemv(const float *x, int64_t ldx, int64_t M, const float *w, const float *b, float *y, int64_t ldy,
+                 int64_t N, int64_t K, int accumulate) {
+    int64_t nblocks = N / RB;
+#pragma omp for schedule(static) nowait
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+        int64_t n = nb * RB;
+        const float *wb = w + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            int mb = (int)(M - m0 < MB ? M - m0 : MB);
+            float acc[MB][RB];
+            switch (mb) {  /* a constant row count per case, so each case compiles to its own loop */
+            case 1: block(x + m0 * ldx, ldx, 1, wb, K, acc); break;
+            default: block(x + m0 * ldx, ldx, MB, wb, K, acc); break;
+            }
+            for (int m = 0; m < mb; ++m)
+                for (int r = 0; r < RB; ++r) {
+                    float v = acc[m][r] + (b ? b[n + r] : 0.f);
+                    float *out = y + (m0 + m) * ldy + n + r;
+                    *out = accumulate ? *out + v : v;
+                }
+        }
+    }
+#pragma omp single nowait
+    for (int64_t n = nblocks * RB; n < N; ++n)
+        for (int64_t m = 0; m < M; ++m) {
+            float s = b ? b[n] : 0.f;
+            for (int64_t k = 0; k < K; ++k) s += w[n * K + k] * x[m * ldx + k];
+            float *out = y + m * ldy + n;
+            *out = accumulate ? *out + s : s;
+        }
+#pragma omp barrier
+}
+
+/* out[m] = x[m] / rms(x[m]) * weight, for the rows listed (or all M rows when rows is NULL). */
+static void rms_norm(const float *x, int64_t M, const int64_t *rows, const float *weight, float *out, int64_t H,
+                     float eps) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *xm = x + (rows ? rows[m] : m) * H;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; ++i) ss += xm[i] * xm[i];
+        float inv = 1.0f / sqrtf(ss / H + eps);
+        for (int64_t i = 0; i < H; ++i) out[m * H + i] = xm[i] * inv * weight[i];
+    }
+}
+
+static void rope(float *v, const float *cos, const float *sin_signed, int64_t hd) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] + b * sin_signed[i];
+        v[i + half] = b * cos[i + half] + a * sin_signed[i + half];
+    }
+}
+
+/* o = softmax(q K^T * scale) V over ctx keys of one head; scores: ctx floats of scratch */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *K, const float *V, int64_t ctx,
+                                                          int64_t hd, float scale, float *scores, float *o) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < ctx; ++j) {
+        const float *kj = K + j * hd;
+        float s = 0.f;
+        int64_t d = 0;
+        if (hd >= VL) {
+            vf a = vload(q) * vload(kj);
+            for (d = VL; d + VL <= hd; d += VL) a += vload(q + d) * vload(kj + d);
+            s = hsum(a);
+        }
+        for (; d < hd; ++d) s += q[d] * kj[d];
+        s *= scale;
+        scores[j] = s;
+        mx = s > mx ? s : mx;
+    }
+    for (int64_t j = 0; j < ctx; ++j) scores[j] -= mx;
+    exp_inplace(scores, ctx);
+    float sum = 0.f;
+    for (int64_t j = 0; j < ctx; ++j) sum += scores[j];
+    float inv = 1.0f / sum;
+    if (hd % VL == 0 && hd <= 8 * VL) {
+        vf acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = (vf){0};
+        for (int64_t j = 0; j < ctx; ++j) {
+            float p = scores[j] * inv;
+            const float *vj = V + j * hd;
+            for (int64_t c = 0; c < hd / VL; ++c) acc[c] += p * vload(vj + c * VL);
+        }
+        for (int64_t c = 0; c < hd / VL; ++c) __builtin_memcpy(o + c * VL, &acc[c], sizeof acc[c]);
+    } else {
+        for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
+        for (int64_t j = 0; j < ctx; ++j) {
+            float p = scores[j] * inv;
+            const float *vj = V + j * hd;
+            for (int64_t d = 0; d < hd; ++d) o[d] += p * vj[d];
+        }
+    }
+}
+
+/* Returns 0, or -1 when a row's position or slot is out of range (checked before anything is written). */
+int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t *pos, const int64_t *slot,
+                 int64_t num_slots, int64_t num_logit_rows, const int64_t *logit_rows, float *logits,
+                 float *scratch, int nthreads) {
+    const int64_t H = md->hidden, nh = md->num_heads, nkv = md->num_kv_heads, hd = md->head_dim;
+    const int64_t I = md->inter, nq = nh * hd, nk = nkv * hd, nqkv = nq + 2 * nk, groups = nh / nkv;
+    for (int64_t m = 0; m < M; ++m)
+        if (pos[m] < 0 || pos[m] >= md->max_seq || slot[m] < 0 || slot[m] >= num_slots) return -1;
+    for (int64_t m = 0; m < num_logit_rows; ++m)
+        if (logit_rows[m] < 0 || logit_rows[m] >= M) return -1;
+    /* scratch: xn [M, max(H, I)], qkv [M, nqkv], attn [M, nq], gu [M, 2I], scores [nthreads, max_seq] */
+    float *xn = scratch;
+    float *qkv = xn + M * (H > I ? H : I);
+    float *attn = qkv + M * nqkv;
+    float *gu = attn + M * nq;
+    float *scores_all = gu + M * 2 * I;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        float *scores = scores_all + (int64_t)omp_get_thread_num() * md->max_seq;
+#else
+        float *scores = scores_all;
+#endif
+        for (int64_t l = 0; l < md->num_layers; ++l) {
+            const struct sled_layer *L = &md->layers[l];
+            rms_norm(h, M, NULL, L->ln1, xn, H, md->eps);
+            gemv(xn, H, M, L->wqkv, L->bqkv, qkv, nqkv, nqkv, H, 0);
+            /* RoPE on q and k heads, then k and v into the cache */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M * (nh + nkv); ++t) {
+                int64_t m = t / (nh + nkv), head = t % (nh + nkv);
+                const float *c = md->cos + pos[m] * hd, *s = md->sin_signed + pos[m] * hd;
+                float *v = qkv + m * nqkv + head * hd;  /* q heads, then k heads */
+                rope(v, c, s, hd);
+                if (head >= nh) {
+                    int64_t kh = head - nh;
+                    int64_t at = slot[m] * md->slot_stride + kh * md->head_stride + pos[m] * hd;
+                    const float *vv = qkv + m * nqkv + nq + nk + kh * hd;
+                    for (int64_t d = 0; d < hd; ++d) {
+                        L->k_cache[at + d] = v[d];
+                        L->v_cache[at + d] = vv[d];
+                    }
+                }
+            }
+            /* attention: each (row, head) over positions [0, pos] of the row's slot */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M * nh; ++t) {
+                int64_t m = t / nh, head = t % nh, kh = head / groups, ctx = pos[m] + 1;
+                const float *q = qkv + m * nqkv + head * hd;
+                const float *K = L->k_cache + slot[m] * md->slot_stride + kh * md->head_stride;
+                const float *V = L->v_cache + slot[m] * md->slot_stride + kh * md->head_stride;
+                float *o = attn + m * nq + head * hd;
+                switch (hd) {  /* the common head sizes with their vector count known, so it stays in registers */
+                case 64: attend(q, K, V, ctx, 64, md->scale, scores, o); break;
+                case 128: attend(q, K, V, ctx, 128, md->scale, scores, o); break;
+                default: attend(q, K, V, ctx, hd, md->scale, scores, o); break;
+                }
+            }
+            gemv(attn, nq, M, L->wo, L->bo, h, H, H, nq, 1);
+            rms_norm(h, M, NULL, L->ln2, xn, H, md->eps);
+            gemv(xn, H, M, L->wgu, L->bgu, gu, 2 * I, 2 * I, H, 0);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; ++m) {  /* silu(gate) * up */
+                const float *g = gu + m * 2 * I, *u = g + I;
+                float *out = xn + m * I;
+                for (int64_t i = 0; i < I; ++i) out[i] = -g[i];
+                exp_inplace(out, I);
+                for (int64_t i = 0; i < I; ++i) out[i] = g[i] / (1.0f + out[i]) * u[i];
+            }
+            gemv(xn, I, M, L->wd, L->bd, h, H, H, I, 1);
+        }
+        rms_norm(h, num_logit_rows, logit_rows, md->norm, xn, H, md->eps);
+        gemv(xn, H, num_logit_rows, md->lm_head, md->lm_bias, logits, md->vocab, md->vocab, H, 0);
+    }
+    return 0;
+}

@@ -1,0 +1,188 @@
+"""The target's forward for a few tokens in one C call (float32, CPU): build, load and bind kernels/cpu_step.c.
+
+The library is compiled at first use with the system C compiler (`$CC`, else `cc`) for the CPU it runs on
+(`-O3 -march=native -fopenmp`) and kept in a cache directory under a name made from the source, the compiler
+and the CPU, so a second process (or a second test) loads it in milliseconds. Where no compiler works,
+`load_library` raises `CpuStepUnavailable` with the compiler's message and callers keep PyTorch's path.
+
+It links the OpenMP runtime by its usual name (libgomp.so.1), the name PyTorch's own copy carries, so
+loaded after torch it shares torch's thread pool instead of starting a second one on the same cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_step.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+class CpuStepUnavailable(RuntimeError):
+    """The fused CPU step cannot run here (no compiler, a failed build, an unsupported model or dtype)."""
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("SLED_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sled")
+    return Path(base)
+
+
+@functools.cache  # one build and one load per process
+def load_library() -> ctypes.CDLL:
+    """Build kernels/cpu_step.c for this CPU if no cached build matches, then load it."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise CpuStepUnavailable(f"no C compiler ({compiler!r} not found)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise CpuStepUnavailable(f"C compiler {compiler!r} does not run: {err}") from err
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(),
+                                    _cpu_id()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_step-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        log.info("building the fused CPU step (%s) into %s", compiler, target)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            try:
+                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"],
+                                      capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as err:
+                raise CpuStepUnavailable(f"building {SOURCE.name} failed: {err}") from err
+            if done.returncode != 0:
+                raise CpuStepUnavailable(f"building {SOURCE.name} failed:\n{done.stderr.strip()[-2000:]}")
+            os.replace(out, target)  # atomic: a concurrent build leaves one complete file
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:
+        raise CpuStepUnavailable(f"loading {target} failed: {err}") from err
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.sled_forward.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, ctypes.c_int]
+    lib.sled_forward.restype = ctypes.c_int
+    return lib
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd", "k_cache", "v_cache")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in
+                 ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter", "vocab", "max_seq",
+                  "slot_stride", "head_stride")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("norm", "lm_head", "lm_bias", "cos", "sin_signed")]
+                + [("layers", ctypes.POINTER(_Layer))])
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuStep:
+    """A Llama-family target's forward in one call per batch of tokens, over the runner's weights and KV pool.
+
+    Holds its own stacked copies of q/k/v and gate/up (one matrix each); every other weight, the cache and the
+    RoPE tables are read in place. Float32 on CPU only."""
+
+    def __init__(self, *, layers: Sequence[dict[str, torch.Tensor | None]], norm: torch.Tensor,
+                 lm_head: torch.Tensor, lm_bias: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, scale: float):
+        tensors = [norm, lm_head, k_cache, v_cache, cos, sin_signed]
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+            raise CpuStepUnavailable("the fused CPU step runs float32 models on CPU only")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise CpuStepUnavailable("the KV pool must be contiguous")
+        if num_heads % num_kv_heads or head_dim % 2:
+            raise CpuStepUnavailable("heads must group evenly over KV heads and head_dim must be even")
+        self.lib = load_library()
+        num_layers, num_slots, _, max_seq, _ = k_cache.shape
+        hidden = norm.shape[0]
+        self.keep: list[torch.Tensor] = []  # everything the C side points into
+
+        def own(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().contiguous()
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise CpuStepUnavailable("the fused CPU step runs float32 models on CPU only")
+            self.keep.append(t)
+            return t.data_ptr()
+
+        def stack(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None]) -> tuple[int, int | None]:
+            w = torch.cat([x.detach() for x in ws]) if len(ws) > 1 else ws[0]
+            b = None
+            if any(x is not None for x in bs):
+                b = torch.cat([x.detach() if x is not None else y.new_zeros(y.shape[0]) for x, y in zip(bs, ws)])
+            return own(w), own(b)
+
+        inter = layers[0]["gate"].shape[0]
+        self.layers = (_Layer * num_layers)()
+        for i, lw in enumerate(layers):
+            wqkv, bqkv = stack([lw["q"], lw["k"], lw["v"]], [lw["bq"], lw["bk"], lw["bv"]])
+            wgu, bgu = stack([lw["gate"], lw["up"]], [lw["bgate"], lw["bup"]])
+            self.layers[i] = _Layer(own(lw["ln1"]), own(lw["ln2"]), wqkv, bqkv, own(lw["o"]), own(lw["bo"]),
+                                    wgu, bgu, own(lw["down"]), own(lw["bdown"]),
+                                    k_cache[i].data_ptr(), v_cache[i].data_ptr())
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.model = _Model(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, lm_head.shape[0], max_seq,
+                            num_kv_heads * max_seq * head_dim, max_seq * head_dim, eps, scale,
+                            own(norm), own(lm_head), own(lm_bias), own(cos), own(sin_signed), self.layers)
+        self.num_slots = num_slots
+        self.vocab = lm_head.shape[0]
+        self.hidden, self.inter, self.max_seq = hidden, inter, max_seq
+        self.qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+        self.q_width = num_heads * head_dim
+        self._scratch = torch.empty(0)
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 logit_rows: torch.Tensor) -> torch.Tensor:
+        """h [num_tokens, hidden] (the embedded tokens, overwritten), positions and slots [num_tokens] int64,
+        logit_rows [num_logit_rows] int64 -> logits [num_logit_rows, vocab] float32."""
+        if h.dtype != torch.float32 or not h.is_contiguous() or h.shape[-1] != self.hidden:
+            raise ValueError("h must be a contiguous float32 [num_tokens, hidden] tensor")
+        m = h.shape[0]
+        positions = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        logit_rows = logit_rows.to(torch.int64).contiguous()
+        if positions.shape != (m,) or slots.shape != (m,):
+            raise ValueError("positions and slots must have one entry per token")
+        threads = torch.get_num_threads()
+        need = m * (max(self.hidden, self.inter) + self.qkv_width + self.q_width + 2 * self.inter) \
+            + threads * self.max_seq
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        logits = torch.empty(logit_rows.shape[0], self.vocab, dtype=torch.float32)
+        rc = self.lib.sled_forward(ctypes.byref(self.model), m, h.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                                   self.num_slots, logit_rows.shape[0], logit_rows.data_ptr(), logits.data_ptr(),
+                                   self._scratch.data_ptr(), threads)
+        if rc != 0:
+            raise ValueError("a position, slot or logit row is out of range")
+        return logits

@@ -1,0 +1,159 @@
+"""The fused CPU step (kernels/cpu_step.c) against PyTorch's reference path of the same runner, on small random
+models whose shapes reach every branch: head sizes with and without a specialized loop, widths that leave tails in
+the matrix products, biases (Qwen2), grouped heads, ragged batches over several slots, and a poisoned cache."""
+
+import ctypes
+
+import pytest
+import torch
+
+from kernels.attention import Segment
+from kernels.cpu_step import CpuStepUnavailable, load_library
+from verify_server.kv_cache import KVCache
+from verify_server.model_runner import ModelInput, ModelRunner
+
+try:
+    load_library()
+except CpuStepUnavailable as err:  # pragma: no cover - CI has a compiler; the skip names what is missing
+    pytest.skip(f"fused CPU step unavailable: {err}", allow_module_level=True)
+
+POISON = 1e4  # what fills every cache position no token has written: reading one shows in the logits
+
+
+def _model(kind: str, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, layers: int = 2):
+    import transformers
+
+    cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    cfg = cfg_cls(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  intermediate_size=inter, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # larger than the init's 0.02 so that every term moves the logits
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def _runners(model, slots=3, max_seq=48):
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    caches = []
+    for _ in range(2):
+        kv = KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_seq, head_dim, torch.float32,
+                     torch.device("cpu"))
+        kv.k.fill_(POISON)
+        kv.v.fill_(POISON)
+        caches.append(kv)
+    fused = ModelRunner(model, caches[0], "sdpa", "reference", fused="on", fused_max_tokens=64)
+    reference = ModelRunner(model, caches[1], "reference", "reference", fused="off")
+    assert fused.fused is not None and reference.fused is None
+    return fused, reference
+
+
+def _batch(parts, vocab, gen):
+    """parts: (slot, start position, length); every token's logits."""
+    tokens, positions, slots, segments = [], [], [], []
+    for slot, start, length in parts:
+        segments.append(Segment(slot, len(tokens), length, start + length))
+        tokens += torch.randint(0, vocab, (length,), generator=gen).tolist()
+        positions += range(start, start + length)
+        slots += [slot] * length
+    n = len(tokens)
+    return ModelInput(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), segments, torch.arange(n))
+
+
+SHAPES = {
+    # kind, hidden, heads, kv heads, intermediate, vocab
+    "head64-gqa": ("llama", 128, 2, 1, 96, 203),       # head_dim 64: the specialized attention loop
+    "head10-tails": ("llama", 40, 4, 2, 72, 101),      # head_dim 10: generic loops; no width a multiple of 16
+    "qwen2-bias-head16": ("qwen2", 64, 4, 2, 80, 130),  # q/k/v biases
+    "head128": ("llama", 256, 2, 2, 64, 97),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_step_matches_reference_over_ragged_batches(shape):
+    kind, *dims = SHAPES[shape]
+    model = _model(kind, *dims)
+    fused, reference = _runners(model)
+    vocab = dims[-1]
+    gen = torch.Generator().manual_seed(1)
+    # Prefills of two slots in one batch, then decode tokens and drafts of several slots together, out of order.
+    steps = [[(0, 0, 7), (2, 0, 3)], [(2, 3, 1)], [(0, 7, 5), (2, 4, 1), (1, 0, 2)], [(1, 2, 9)],
+             [(2, 5, 4), (0, 12, 1), (1, 11, 1)]]
+    for parts in steps:
+        inp = _batch(parts, vocab, gen)
+        got, want = fused.forward(inp), reference.forward(inp)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (parts, (got - want).abs().max().item())
+    # The caches agree where tokens were written, and nothing else was touched.
+    assert torch.allclose(fused.kv.k, reference.kv.k, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(fused.kv.v, reference.kv.v, atol=1e-4, rtol=1e-4)
+    assert (fused.kv.k[:, :, :, 16:] == POISON).all()
+
+
+def test_rollback_then_rewrite_reads_only_what_the_row_may_see():
+    """A rejected draft leaves its keys in the cache past the session's length; the next pass writes over the
+    first of them and must not attend to the rest (positions after the row's own)."""
+    model = _model(*SHAPES["head64-gqa"])
+    fused, reference = _runners(model)
+    gen = torch.Generator().manual_seed(2)
+    for parts in ([(0, 0, 6)], [(0, 6, 8)], [(0, 7, 1)], [(0, 8, 3)]):  # 8 drafted, 1 kept, then on from there
+        inp = _batch(parts, 203, gen)
+        got, want = fused.forward(inp), reference.forward(inp)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), parts
+
+
+def test_out_of_range_rows_are_refused_before_anything_is_written():
+    model = _model(*SHAPES["head10-tails"])
+    fused, _ = _runners(model, slots=2, max_seq=16)
+    before = fused.kv.k.clone()
+    with pytest.raises(ValueError, match="out of range"):  # position 16 of 16
+        fused.fused(torch.zeros(2, 40), torch.tensor([15, 16]), torch.tensor([0, 0]), torch.arange(2))
+    with pytest.raises(ValueError, match="out of range"):
+        fused.fused(torch.zeros(1, 40), torch.tensor([0]), torch.tensor([2]), torch.arange(1))  # slot 2 of 2
+    with pytest.raises(ValueError, match="out of range"):
+        fused.fused(torch.zeros(1, 40), torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))  # logit row 1 of 1
+    assert torch.equal(fused.kv.k, before)
+
+
+def test_batches_past_the_threshold_take_pytorch(monkeypatch):
+    model = _model(*SHAPES["head10-tails"])
+    fused, reference = _runners(model)
+    fused.fused_max_tokens = 4
+    calls = []
+    step = fused.fused
+    monkeypatch.setattr(fused, "fused", lambda *a: calls.append(a[0].shape[0]) or step(*a))
+    gen = torch.Generator().manual_seed(3)
+    for parts in ([(0, 0, 5)], [(0, 5, 4)], [(0, 9, 1), (1, 0, 4)]):
+        inp = _batch(parts, 101, gen)
+        assert torch.allclose(fused.forward(inp), reference.forward(inp), atol=1e-4, rtol=1e-4)
+    assert calls == [4]
+
+
+def test_fused_modes():
+    model = _model(*SHAPES["head10-tails"])
+    kv = KVCache(2, 1, 2, 8, 10, torch.float32, torch.device("cpu"))
+    assert ModelRunner(model, kv, fused="auto").fused is not None
+    assert ModelRunner(model, kv, fused="off").fused is None
+    with pytest.raises(ValueError, match="fused must be"):
+        ModelRunner(model, kv, fused="fast")
+    half = KVCache(2, 1, 2, 8, 10, torch.bfloat16, torch.device("cpu"))
+    assert ModelRunner(model.to(torch.bfloat16), half, fused="auto").fused is None  # float32 only: PyTorch
+    with pytest.raises(ValueError, match="fused: on, but"):
+        ModelRunner(model, half, fused="on")
+
+
+def test_vector_exp_is_within_a_few_ulp():
+    lib = load_library()
+    lib.sled_exp.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    x = torch.linspace(-87.0, 88.0, 200_003, dtype=torch.float32)  # not a multiple of 16: the tail too
+    got = x.clone()
+    lib.sled_exp(got.data_ptr(), got.numel())
+    want = x.double().exp()
+    assert ((got.double() - want).abs() / want).max().item() < 2e-7
+    low = torch.tensor([-1e4, -100.0, float("-inf")])  # clamped: as small as e^-87, never NaN
+    lib.sled_exp(low.data_ptr(), 3)
+    assert torch.all(low >= 0) and torch.all(low < 2e-38)
