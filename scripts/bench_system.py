@@ -254,6 +254,11 @@ def plot(rows, out_dir: Path) -> list[Path]:
     return paths
 
 
+def ratio(x: float, y: float) -> float:
+    """x / y, or nan when the denominator committed nothing (a starved run): the table shows it, nothing raises."""
+    return x / y if y > 0 else float("nan")
+
+
 def main() -> int:
     from tqdm import tqdm
 
@@ -372,7 +377,7 @@ def main() -> int:
             row["repeats_system_tokens_per_s"] = [r["system_tokens_per_s"] for r in done]
             if mode != "server-only":
                 base = [r["system_tokens_per_s"] for r in runs[(n, "server-only")]]
-                row["repeats_ratio_to_server_only"] = [r["system_tokens_per_s"] / b for r, b in zip(done, base)]
+                row["repeats_ratio_to_server_only"] = [ratio(r["system_tokens_per_s"], b) for r, b in zip(done, base)]
             if mode == "server-only":
                 rows.append(row)
             elif mode == "no-ahead":
@@ -400,13 +405,13 @@ def main() -> int:
     for n in counts:
         for mode in ("sled", "server-only", "device-only"):
             r = by[(mode, n)]
-            ratio = (f"{r['system_tokens_per_s'] / by[('server-only', n)]['system_tokens_per_s']:.2f}x"
-                     if mode == "sled" else "")
+            vs = (f"{ratio(r['system_tokens_per_s'], by[('server-only', n)]['system_tokens_per_s']):.2f}x"
+                  if mode == "sled" else "")
             per = (", ".join(f"{x:.2f}x" for x in r["repeats_ratio_to_server_only"]) if mode == "sled" else "")
             lines.append(f"| {n} | {mode} | {r['system_tokens_per_s']:.1f} | {r['per_device_tokens_per_s']:.1f} | "
                          f"{r['p50_inter_token_ms']:.1f} | {r['p95_inter_token_ms']:.1f} | {r['acceptance_rate']:.2f} | "
                          f"{r['server_step_ms']:.1f} | {r['server_batch_sessions']:.1f} | {r['server_busy_share']:.0%} | "
-                         f"{ratio} | {per} |")
+                         f"{vs} | {per} |")
     capacity = {}
     for mode in ("sled", "server-only", "device-only"):
         ok = [n for n in counts if by[(mode, n)]["p95_inter_token_ms"] <= args.slo_ms]
@@ -423,14 +428,14 @@ def main() -> int:
         best = max(fixed, key=lambda r: r["system_tokens_per_s"])
         ad = next(r for r in adaptive_rows if r["devices"] == n and r["k"] == "adaptive")
         verdicts.append(f"{n} devices: adaptive {ad['system_tokens_per_s']:.1f} tok/s vs best fixed K={best['k']} "
-                        f"{best['system_tokens_per_s']:.1f} ({ad['system_tokens_per_s'] / best['system_tokens_per_s']:.2f}x)")
+                        f"{best['system_tokens_per_s']:.1f} ({ratio(ad['system_tokens_per_s'], best['system_tokens_per_s']):.2f}x)")
     wlines = ["| devices | drafting ahead tok/s | waiting tok/s | ratio | drafted tokens made ahead | "
               "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|"]
     for w in waiting_rows:
         a = by[("sled", w["devices"])]
-        per = [x / y for x, y in zip(a["repeats_system_tokens_per_s"], w["repeats_system_tokens_per_s"])]
+        per = [ratio(x, y) for x, y in zip(a["repeats_system_tokens_per_s"], w["repeats_system_tokens_per_s"])]
         wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
-                      f"{a['system_tokens_per_s'] / w['system_tokens_per_s']:.2f}x | {a['drafted_ahead_share']:.0%} | "
+                      f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
                       + ", ".join(f"{x:.2f}x" for x in per) + " |")
     overhead = ""
     if sixteen:
