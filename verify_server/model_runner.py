@@ -50,6 +50,22 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 FUSED_MAX_TOKENS = 8
 
 
+def _check_segments(inp: ModelInput) -> None:
+    """The fused step reads no segments: each token attends to positions [0, its own] of its slot. That is the
+    segments' rule exactly when a segment's tokens sit at consecutive positions ending at its context length, in
+    its slot, which the engine always builds; anything else is refused rather than attended differently."""
+    positions, slots = inp.positions.tolist(), inp.slots.tolist()
+    covered = 0
+    for seg in inp.segments:
+        first = seg.context_len - seg.length
+        if (positions[seg.start:seg.start + seg.length] != list(range(first, seg.context_len))
+                or slots[seg.start:seg.start + seg.length] != [seg.slot] * seg.length):
+            raise ValueError(f"segment {seg} does not match its tokens' positions and slots")
+        covered += seg.length
+    if covered != len(positions):
+        raise ValueError(f"segments cover {covered} tokens of {len(positions)}")
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto",
                  fused: str = "auto", fused_max_tokens: int = FUSED_MAX_TOKENS):
@@ -135,6 +151,7 @@ class ModelRunner:
         n = tokens.shape[0]
         h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
         if self.fused is not None and n <= self.fused_max_tokens:
+            _check_segments(inp)
             return self.fused(h, positions, slots, inp.logit_rows)
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin_signed[positions].unsqueeze(1)

@@ -119,6 +119,24 @@ def test_out_of_range_rows_are_refused_before_anything_is_written():
     assert torch.equal(fused.kv.k, before)
 
 
+def test_segments_that_disagree_with_positions_are_refused():
+    """The fused step attends by position; a segment saying otherwise would be attended differently by the two
+    paths, so it is an error, with the cache untouched."""
+    model = _model(*SHAPES["head10-tails"])
+    fused, _ = _runners(model)
+    before = fused.kv.k.clone()
+    bad = [ModelInput(torch.tensor([5, 6]), torch.tensor([3, 4]), torch.tensor([0, 0]), [Segment(0, 0, 2, 6)],
+                      torch.arange(2)),  # context 6, but the tokens sit at 3 and 4
+           ModelInput(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([0, 1]), [Segment(0, 0, 2, 2)],
+                      torch.arange(2)),  # the second token is in another slot
+           ModelInput(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([0, 0]), [Segment(0, 0, 1, 1)],
+                      torch.arange(2))]  # a token in no segment
+    for inp in bad:
+        with pytest.raises(ValueError, match="segment"):
+            fused.forward(inp)
+    assert torch.equal(fused.kv.k, before)
+
+
 def test_batches_past_the_threshold_take_pytorch(monkeypatch):
     model = _model(*SHAPES["head10-tails"])
     fused, reference = _runners(model)
