@@ -101,10 +101,6 @@ class _Model(ctypes.Structure):
                 + [("layers", ctypes.POINTER(_Layer))])
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class CpuStep:
     """A Llama-family target's forward in one call per batch of tokens, over the runner's weights and KV pool.
 

@@ -36,6 +36,8 @@ class ServerConfig:
     # The whole forward in one C call for batches of up to fused_max_tokens tokens (float32 on CPU, built at first
     # use with the system C compiler): auto (where it builds, else PyTorch) | on (it or an error) | off.
     fused: str = "auto"
+    # Past it PyTorch's oneDNN matmuls win, once many rows share each weight read: bench_engine's sweep (fused /
+    # PyTorch per forward of one session, docs/benchmarks.md) gave 0.97x at 8 tokens, 0.99x at 9, 1.07x at 12.
     fused_max_tokens: int = 8
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)

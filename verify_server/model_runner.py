@@ -16,6 +16,7 @@ from kernels.attention import ATTENTION, Segment, causal_masks
 from kernels.cpu_step import CpuStep, CpuStepUnavailable
 from kernels.linear import LINEAR, resolve_linear
 
+from .config import ServerConfig
 from .kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-# Batches of up to this many tokens go through the fused CPU step (kernels/cpu_step.c) when it is on; larger ones
-# through PyTorch, whose oneDNN matmuls win once many rows share each weight read. Measured side by side here
-# (SmolLM2-135M, 2 cores, 128 cached tokens), fused / PyTorch ms per forward over four passes: 1 token 11-15 / 16-24,
-# 4 tokens 16-17 / 18-21, 9 tokens 22-27 / 23-27 (a tie), 16 tokens 30-37 / 27-32, 32 tokens 50-58 / 39-47.
-FUSED_MAX_TOKENS = 8
-
-
 def _check_segments(inp: ModelInput) -> None:
     """The fused step reads no segments: each token attends to positions [0, its own] of its slot. That is the
     segments' rule exactly when a segment's tokens sit at consecutive positions ending at its context length, in
@@ -68,7 +62,7 @@ def _check_segments(inp: ModelInput) -> None:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto",
-                 fused: str = "auto", fused_max_tokens: int = FUSED_MAX_TOKENS):
+                 fused: str = "auto", fused_max_tokens: int = ServerConfig.fused_max_tokens):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported target architecture {cfg.model_type!r}: SLED runs Llama-family models")
