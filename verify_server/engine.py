@@ -143,6 +143,12 @@ class Engine:
         for work in self._pending:
             work.reply(SledError("UNAVAILABLE", "server is shutting down; reopen with the full context"))
         self._pending.clear()
+        worker_done = ((self._thread is None or not self._thread.is_alive())
+                       and (self._loop_done is None or self._loop_done.done()))
+        if worker_done:
+            # A stopped engine runs no more steps: let go of the runner (the weights' packed copies) now. grpc.aio
+            # keeps calls that were open at stop, and through them this engine, for as long as the process lives.
+            self.runner = None
 
     # ---- the worker ----
 
