@@ -22,6 +22,12 @@ help:
 
 # torch is pinned first: a loose requirement would pull a multi-GB CUDA build.
 # llama-cpp-python builds from source (about 8 minutes on 2 cores); pip caches the wheel.
+# It builds for this CPU (-march=native) without llama.cpp's AMX kernels: on a CPU with AMX (Xeon Sapphire
+# Rapids and later) they take the drafter's Q4_1 weights and crash in the first decode (segfault, seen on
+# llama-cpp-python 0.3.36). pip's cache does not know build flags: a wheel cached before this needs
+# `pip cache remove llama_cpp_python`.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export CMAKE_ARGS ?= -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
