@@ -107,4 +107,108 @@ def attention_sdpa(
     return out
 
 
-ATTENTION = {"reference": attention_reference, "sdpa": attention_sdpa}
+# On CUDA every kernel launch costs a few microseconds of host time, and the per-segment loop above launches
+# about six per segment and layer: at 32 sessions, 3,000 launches a step for a 16-layer model. The short
+# segments of a step (drafts and decode tokens) go instead through one padded call per layer; longer ones
+# (prompts) keep their own call, so one prompt does not pad every draft to its length.
+BATCH_MAX_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The short segments of a ragged batch laid out for one padded attention call per layer: B segments, each
+    padded to `max_len` query rows and `max_ctx` keys. Built once per forward and shared by every layer."""
+
+    slots: torch.Tensor  # [B] cache slot of each segment
+    rows: torch.Tensor  # [B, max_len] flat token index of each padded query row (0 for padding)
+    seg: torch.Tensor  # [m] segment of each of the m tokens the plan covers
+    offset: torch.Tensor  # [m] its row within the segment
+    tokens: torch.Tensor  # [m] its flat index in the batch
+    key_ok: torch.Tensor  # [B, 1, max_ctx, 1] bool, key position < context_len
+    mask: torch.Tensor  # [B, 1, groups * max_len, max_ctx] additive: 0 where the query sees the key, -inf past it
+    rest: list[Segment]  # the long segments, attended one at a time
+    rest_masks: list[torch.Tensor | None]
+
+
+def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32) -> BatchPlan:
+    short = [s for s in segments if s.length <= BATCH_MAX_TOKENS]
+    rest = [s for s in segments if s.length > BATCH_MAX_TOKENS]
+    lens = torch.tensor([s.length for s in short], dtype=torch.long)
+    ctx = torch.tensor([s.context_len for s in short], dtype=torch.long)
+    starts = torch.tensor([s.start for s in short], dtype=torch.long)
+    max_len = int(lens.max()) if short else 0
+    max_ctx = int(ctx.max()) if short else 0
+    i = torch.arange(max_len)
+    valid = i[None, :] < lens[:, None]  # [B, max_len]
+    rows = torch.where(valid, starts[:, None] + i[None, :], 0)
+    seg = torch.repeat_interleave(torch.arange(len(short)), lens)
+    offset = torch.cat([torch.arange(n) for n in lens.tolist()]) if short else torch.zeros(0, dtype=torch.long)
+    # Query row i of a segment sits at position context_len - length + i and sees keys [0, that position]; a
+    # padding row sees the same as the segment's last row (its output is dropped; it only must not be NaN).
+    qpos = (ctx - lens)[:, None] + torch.minimum(i[None, :], lens[:, None] - 1)  # [B, max_len]
+    seen = torch.arange(max_ctx)[None, None, :] <= qpos[:, :, None]  # [B, max_len, max_ctx]
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf")).repeat(1, groups, 1)[:, None]
+    key_ok = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, :, None]
+    to = dict(device=device, non_blocking=True)
+    return BatchPlan(slots=torch.tensor([s.slot for s in short], dtype=torch.long).to(**to), rows=rows.to(**to),
+                     seg=seg.to(**to), offset=offset.to(**to), tokens=(starts[seg] + offset).to(**to),
+                     key_ok=key_ok.to(**to), mask=mask.to(**to), rest=rest,
+                     rest_masks=causal_masks(rest, device, groups, dtype))
+
+
+def attention_batched(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    plan: BatchPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The plan's short segments in one padded scaled_dot_product_attention, the long ones one at a time.
+
+    Each segment's keys are gathered from its slot up to the longest context of the batch ([B, kv_heads, max_ctx,
+    d], a copy of what the step reads anyway); keys and values past a segment's own context are zeroed, since an
+    unwritten cache position may hold anything (NaN too, and 0 * NaN is NaN even under a -inf score)."""
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    groups = heads // kv_heads
+    out = torch.empty_like(q)
+    b, max_len = plan.rows.shape
+    if b:
+        max_ctx = plan.mask.shape[-1]
+        qs = q[plan.rows].permute(0, 2, 1, 3).reshape(b, kv_heads, groups * max_len, dim)
+        ks = k_cache[:, :, :max_ctx][plan.slots].masked_fill_(~plan.key_ok, 0)  # [B, kv_heads, max_ctx, d]
+        vs = v_cache[:, :, :max_ctx][plan.slots].masked_fill_(~plan.key_ok, 0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.mask, scale=scale)
+        o = o.reshape(b, heads, max_len, dim).permute(0, 2, 1, 3)  # [B, max_len, heads, d]
+        out[plan.tokens] = o[plan.seg, plan.offset]
+    for seg, mask in zip(plan.rest, plan.rest_masks):
+        rows = slice(seg.start, seg.start + seg.length)
+        out[rows] = attention_sdpa(q[rows], k_cache, v_cache, [Segment(seg.slot, 0, seg.length, seg.context_len)],
+                                   scale, [mask])
+    return out
+
+
+def attention_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32):
+    """What the attention of one forward shares across layers: on CUDA with several segments a BatchPlan, else
+    the per-segment masks of causal_masks."""
+    if torch.device(device).type == "cuda" and len(segments) > 1:
+        return batch_plan(segments, device, groups, dtype)
+    return causal_masks(segments, device, groups, dtype)
+
+
+def attention_auto(q, k_cache, v_cache, segments, scale, plan=None):
+    """`sdpa`: one padded call per layer where attention_plan gave a BatchPlan (CUDA), the per-segment loop else."""
+    if isinstance(plan, BatchPlan):
+        return attention_batched(q, k_cache, v_cache, plan, scale)
+    return attention_sdpa(q, k_cache, v_cache, segments, scale, plan)
+
+
+def no_plan(segments, device, groups=1, dtype=torch.float32):
+    return None
+
+
+# name -> (what one forward prepares for every layer, the attention of one layer)
+ATTENTION = {
+    "sdpa": (attention_plan, attention_auto),  # the default: batched on CUDA, per segment on CPU
+    "segments": (causal_masks, attention_sdpa),  # per segment everywhere (the CUDA path before batching)
+    "reference": (no_plan, attention_reference),
+}

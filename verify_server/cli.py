@@ -50,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest batch, in tokens, that takes the fused path (default {d.fused_max_tokens})")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
-    p.add_argument("--attention", choices=["sdpa", "reference"], default="sdpa",
-                   help="attention kernel: fused sdpa (short CPU segments as two batched matmuls) or the plain reference "
-                        "(default sdpa)")
+    p.add_argument("--attention", choices=["sdpa", "segments", "reference"], default="sdpa",
+                   help="attention kernel: sdpa (on CUDA the short segments of a step in one padded call per layer; on "
+                        "CPU one call per segment, short ones as two batched matmuls), segments (one call per segment "
+                        "on CUDA too) or the plain reference (default sdpa)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p
 

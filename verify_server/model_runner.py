@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import ATTENTION, Segment, causal_masks
+from kernels.attention import ATTENTION, Segment
 from kernels.cpu_step import CpuStep, CpuStepUnavailable
 from kernels.linear import LINEAR, resolve_linear
 
@@ -68,7 +68,7 @@ class ModelRunner:
             raise ValueError(f"unsupported target architecture {cfg.model_type!r}: SLED runs Llama-family models")
         self.model = model
         self.kv = kv
-        self.attention = ATTENTION[attention]
+        self.prepare_attention, self.attention = ATTENTION[attention]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -149,7 +149,7 @@ class ModelRunner:
             return self.fused(h, positions, slots, inp.logit_rows)
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin_signed[positions].unsqueeze(1)
-        masks = causal_masks(inp.segments, self.device, self.num_heads // self.num_kv_heads, self.dtype)
+        masks = self.prepare_attention(inp.segments, self.device, self.num_heads // self.num_kv_heads, self.dtype)
         for i, layer in enumerate(self.layers):
             qkv_proj, o_proj, gate_up_proj, down_proj = self.proj[i]
             q, k, v = qkv_proj(_rms_norm(h, layer.input_layernorm.weight, self.eps))
