@@ -46,14 +46,11 @@ class TransformersTokenizer:
     """The default GGUF's tokenizer through transformers, for benchmark runs where llama.cpp is not installed
     (a GPU machine): what the benchmarks and `generate` use of the device's tokenizer, same ids and fingerprint."""
 
-    def __init__(self):
-        from transformers import AutoTokenizer
-
+    def __init__(self, folder: str | None = None):
         from sled.v1.fingerprint import vocab_fingerprint
-        from verify_server.model_loader import default_model_path
+        from verify_server.model_loader import vocabulary_tokenizer
 
-        gguf = default_model_path()
-        self._tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        self._tok = vocabulary_tokenizer(folder)
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id
         tokens = self._tok.convert_ids_to_tokens(list(range(self.vocab_size)))
@@ -90,8 +87,11 @@ class _CumulativeDecoder:
         return new
 
 
-def device_tokenizer():
-    """The device's llama.cpp tokenizer, or the same vocabulary through transformers where llama.cpp is missing."""
+def device_tokenizer(folder: str | None = None):
+    """The device's llama.cpp tokenizer, or the same vocabulary through transformers where llama.cpp is missing or
+    a tokenizer folder is given (exported from the GGUF by scripts/export_tokenizer.py)."""
+    if folder is not None:
+        return TransformersTokenizer(folder)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -157,7 +157,10 @@ class ServerProcess:
     def start(self) -> str:
         print(f"[bench] starting sled-server on port {self.port} (log {self.log})", flush=True)
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([BIN / "sled-server", "--port", str(self.port), *self.flags],
+            # The installed entry point, or the module where SLED runs from a checkout (a GPU node without the venv).
+            command = [str(BIN / "sled-server")] if (BIN / "sled-server").exists() else [sys.executable, "-m",
+                                                                                         "verify_server.cli"]
+            self.proc = subprocess.Popen([*command, "--port", str(self.port), *self.flags],
                                          stdout=out, stderr=subprocess.STDOUT)
         start = time.time()
         while "ready on" not in self.log.read_text():

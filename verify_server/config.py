@@ -17,6 +17,9 @@ class ServerConfig:
     # GGUF file or Hugging Face model folder; None means the SmolLM2-135M-Instruct GGUF;
     # random:llama-1b | random:llama-8b | random:FILE.json: a Llama of that shape with random weights.
     target: str | None = None
+    # A random target's vocabulary: a Hugging Face tokenizer folder (scripts/export_tokenizer.py writes the default
+    # GGUF's), for machines without the GGUF (a GPU node); None reads it from the default GGUF.
+    tokenizer: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     max_sessions: int = 32  # KV slots: sessions held at once
@@ -75,6 +78,13 @@ class ServerConfig:
             from .model_loader import random_target_shape
 
             random_target_shape(self.target)
+        if self.tokenizer is not None:
+            if self.target is None or not self.target.startswith("random:"):
+                raise ValueError("tokenizer applies to random targets only: a GGUF file or model folder carries its "
+                                 "own tokenizer")
+            if not Path(self.tokenizer).is_dir():
+                raise ValueError(f"tokenizer {self.tokenizer} is not a folder (a Hugging Face tokenizer folder, as "
+                                 "scripts/export_tokenizer.py writes)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:

@@ -87,11 +87,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype) -> Target:
+def vocabulary_tokenizer(folder: str | Path | None = None):
+    """The transformers tokenizer of a random target's vocabulary: from a tokenizer folder, else the default GGUF's."""
+    from transformers import AutoTokenizer
+
+    if folder is not None:
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
+        return AutoTokenizer.from_pretrained(str(folder))
+    gguf = default_model_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype,
+                tokenizer: str | Path | None = None) -> Target:
+    """The target; `tokenizer` (a tokenizer folder) gives a random target's vocabulary and is refused otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
-        return load_random_target(path, device, dtype)
+        return load_random_target(path, device, dtype, tokenizer=tokenizer)
+    if tokenizer is not None:
+        raise ValueError("a tokenizer folder applies to random targets only")
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"target model {path} does not exist (a .gguf file or a Hugging Face folder)")
@@ -115,16 +131,17 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
                   fingerprint=vocab_fingerprint(tokens))
 
 
-def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Target:
-    """A Llama of the shape `spec` names, with random weights (seeded), the default GGUF's vocabulary and tokens.
+def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                       tokenizer: str | Path | None = None) -> Target:
+    """A Llama of the shape `spec` names, with random weights (seeded), the default GGUF's vocabulary and tokens
+    (or those of the tokenizer folder `tokenizer`, exported from it where the GGUF is not installed).
 
     Built directly on `device`: an 8B shape never passes through host memory. Its text is meaningless, but its
     step times are those of a real model of that shape, which is what a capacity run needs."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = random_target_shape(spec)
-    gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = vocabulary_tokenizer(tokenizer)
     vocab_size = len(tokenizer)
     tokens = [t if t is not None else "" for t in tokenizer.convert_ids_to_tokens(list(range(vocab_size)))]
     eos = tokenizer.eos_token_id

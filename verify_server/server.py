@@ -73,7 +73,7 @@ class VerifyServer:
         if self.target is None:
             device = resolve_device(cfg.device)
             self.target = await self._on_torch_thread(load_target, cfg.target, device,
-                                                      resolve_dtype(cfg.dtype, device))
+                                                      resolve_dtype(cfg.dtype, device), cfg.tokenizer)
         engine = await self._on_torch_thread(Engine, cfg, self.target, self.attention)
         await self._on_torch_thread(engine.warmup)
         engine.start(self._torch)

@@ -3,6 +3,7 @@ and the benchmark's synthesized drafts at a controlled match rate."""
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,28 @@ def test_random_target_speaks_the_devices_vocabulary(tiny, tokenizer):
     cfg = tiny.model.config
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
     assert "random weights" in tiny.name
+
+
+def test_exported_tokenizer_folder_gives_the_same_vocabulary(tiny, tmp_path):
+    """A GPU node without the GGUF builds the random target from the folder export_tokenizer.py writes: the devices
+    (GGUF through llama.cpp) and the server must still agree on the vocabulary."""
+    import subprocess
+    import sys
+
+    from verify_server.model_loader import load_target
+
+    out = tmp_path / "tok"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "export_tokenizer.py"
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert tiny.fingerprint in done.stdout
+    from_folder = load_target("random:llama-tiny", torch.device("cpu"), torch.float32, tokenizer=out)
+    assert from_folder.fingerprint == tiny.fingerprint and from_folder.vocab_tokens == tiny.vocab_tokens
+    assert from_folder.eos_token_ids == tiny.eos_token_ids
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_target("random:llama-tiny", torch.device("cpu"), torch.float32, tokenizer=tmp_path / "none")
+    with pytest.raises(ValueError, match="random targets only"):
+        load_target(None, torch.device("cpu"), torch.float32, tokenizer=out)
 
 
 def test_runner_matches_transformers_on_the_random_shape(tiny):
@@ -115,3 +138,4 @@ def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server,
     assert row["system_tokens_per_s"] == pytest.approx(inside / 1.0)
     assert row["per_device_tokens_per_s"] == pytest.approx(inside / 2)
     assert w.after.steps > w.before.steps
+

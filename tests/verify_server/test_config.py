@@ -30,6 +30,8 @@ def test_server_section_is_accepted(tmp_path):
     ("colour: blue\n", "unknown server settings ['colour']"),
     ("target: random:llama-3b\n", "random target must be random:NAME (llama-1b, llama-8b, llama-tiny)"),
     ("target: random:/nowhere/shape.json\n", "random target config /nowhere/shape.json does not exist"),
+    ("tokenizer: /tmp\n", "tokenizer applies to random targets only"),
+    ("target: random:llama-tiny\ntokenizer: /nowhere/tok\n", "tokenizer /nowhere/tok is not a folder"),
     ("- a list\n", "expected a mapping"),
 ])
 def test_bad_settings_raise_value_error(tmp_path, text, needle):
@@ -56,3 +58,7 @@ def test_random_target_shapes_from_names_and_json(tmp_path):
     f.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         load_config(None, target=f"random:{f}")
+
+
+def test_a_random_target_takes_a_tokenizer_folder(tmp_path):
+    assert load_config(None, target="random:llama-1b", tokenizer=str(tmp_path)).tokenizer == str(tmp_path)
