@@ -77,7 +77,7 @@ class ReplayDrafter:
     def propose(self, context, k):
         tokens = self.rounds.get(len(context))
         if tokens is None or (self.prefixes is not None and list(context) != self.prefixes[:len(context)]):
-            tokens = [context[-1]] * k  # off the recording: filler
+            tokens = [context[-1] ^ 1] * k  # off the recording: filler, never the last token (a random target repeats it)
         tokens = tokens[:k]
         time.sleep(self.spt * len(tokens))
         return Proposal(list(tokens))

@@ -131,6 +131,27 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
                   fingerprint=vocab_fingerprint(tokens))
 
 
+@torch.no_grad()
+def stabilize(model: torch.nn.Module) -> None:
+    """Make a random Llama's greedy text stable under rounding, as a trained model's is.
+
+    With the usual initialisation (every weight N(0, 0.02)) each layer adds to the residual stream far more than the
+    token embedding it starts from, and the top two of the 49,152 logits end within rounding of each other: the greedy
+    text then changes with the batch a token is verified in (bfloat16 on a GPU), and drafts synthesized from a
+    recorded greedy text stop matching after the first flip. Here the embeddings are N(0, 1) and every layer's
+    output projections are scaled by 0.1, so the residual stream keeps its token; the logits read the embeddings
+    (tied, or copied into an untied lm_head), so the top logit leads by about |e|^2 = hidden_size against the
+    others' ~4.5 sqrt(hidden_size). The greedy text then repeats the prompt's last token. A step's arithmetic and
+    memory traffic are those of the shape, whatever the values."""
+    embed = model.model.embed_tokens.weight
+    embed.normal_(0.0, 1.0)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.mul_(0.1)
+        layer.mlp.down_proj.weight.mul_(0.1)
+    if model.lm_head.weight.data_ptr() != embed.data_ptr():
+        model.lm_head.weight.copy_(embed)
+
+
 def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
                        tokenizer: str | Path | None = None) -> Target:
     """A Llama of the shape `spec` names, with random weights (seeded), the default GGUF's vocabulary and tokens
@@ -150,7 +171,9 @@ def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed
     log.info("building a random-weight target %s (%s, %s, seed %d)", spec, device, dtype, seed)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = LlamaForCausalLM(config)
+        stabilize(model)
+        model = model.to(dtype).eval()
     params = sum(p.numel() for p in model.parameters())
     return Target(model=model, name=f"{spec} ({params / 1e9:.2f}B parameters, random weights)", vocab_tokens=tokens,
                   eos_token_ids=(eos,) if eos is not None else (), fingerprint=vocab_fingerprint(tokens))
