@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -92,15 +93,33 @@ class ReplayDrafter:
 K_MAX = 8
 
 
-def record_tables(address, tokenizer, prompt_ids, max_tokens) -> list[dict[int, list[int]]]:
-    """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there."""
+def record_tables(address, tokenizer, prompt_ids, max_tokens) -> tuple[list[dict[int, list[int]]], list[list[int]]]:
+    """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there; and the greedy
+    outputs (prompt included) they were recorded along."""
     drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512))
     tables = []
-    for ids, full in zip(prompt_ids, greedy_outputs(address, tokenizer, prompt_ids, max_tokens)):
+    fulls = greedy_outputs(address, tokenizer, prompt_ids, max_tokens)
+    for ids, full in zip(prompt_ids, fulls):
         drafter.begin(list(ids), SamplingParams())
         tables.append({n: drafter.propose(full[:n], K_MAX).token_ids for n in range(len(ids), len(full))})
     drafter.close()
-    return tables
+    return tables, fulls
+
+
+def match_rate(tables: list[dict[int, list[int]]], fulls: list[list[int]]) -> tuple[float, list[float]]:
+    """How often a recorded draft's token is the target's greedy token, given that the draft's tokens before it
+    were: overall and per draft position. This is the probability `--draft-match` synthesizes drafts with, so a GPU
+    run with a random target replays the acceptance measured here with the real models."""
+    hit, seen = np.zeros(K_MAX), np.zeros(K_MAX)
+    for table, full in zip(tables, fulls):
+        for n, draft in table.items():
+            for i, tok in enumerate(draft[:len(full) - n]):
+                seen[i] += 1
+                if tok != full[n + i]:
+                    break
+                hit[i] += 1
+    per = [float(h / s) if s else float("nan") for h, s in zip(hit, seen)]
+    return float(hit.sum() / seen.sum()) if seen.sum() else float("nan"), per
 
 
 def greedy_outputs(address, tokenizer, prompt_ids, max_tokens) -> list[list[int]]:
@@ -278,13 +297,26 @@ def main() -> int:
     ap.add_argument("--target", metavar="SPEC",
                     help="the server's target (default: SmolLM2-135M-Instruct); random:llama-1b or random:llama-8b for "
                          "a GPU capacity run, with synthesized drafts")
-    ap.add_argument("--draft-match", type=float,
-                    help="synthesize drafts from the target's greedy output, each position right with this "
-                         "probability (default for random targets: 0.95), instead of replaying llama.cpp's proposals")
+    ap.add_argument("--draft-match", metavar="P|FILE",
+                    help="synthesize drafts from the target's greedy output, each position right with probability P "
+                         "(default for random targets: 0.95), instead of replaying llama.cpp's proposals; or the "
+                         "JSON file a --match-only run wrote, to replay the match measured with the real models")
+    ap.add_argument("--tokenizer", metavar="DIR",
+                    help="the vocabulary as a tokenizer folder (scripts/export_tokenizer.py), for the devices and a "
+                         "random target, on a machine without the default GGUF (a GPU node)")
+    ap.add_argument("--match-only", action="store_true",
+                    help="record the real drafter along the target's greedy output, print how often its drafted "
+                         "tokens match (the value to give --draft-match on a GPU run; with --json, written there) "
+                         "and stop")
+    ap.add_argument("--label", help="a name for this run's section of docs/benchmarks.md, beside the unlabelled one "
+                                    "(e.g. 'devices drafting at 3 ms/token')")
     ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG=VALUE",
                     help="extra sled-server flag, e.g. --server-arg=--dtype=bfloat16 (repeatable)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of every configuration, in alternating order; the median is reported (default 3)")
+    ap.add_argument("--warmup-pass", action="store_true",
+                    help="run every configuration once before the counted repeats, uncounted: a GPU server's first "
+                         "steps of each new shape are slow (allocations, kernel choice) and would fall on the first pass")
     ap.add_argument("--json", metavar="FILE", help="write all rows as JSON")
     ap.add_argument("--out-dir", default=str(ROOT / "runs" / "bench_system"), help="where PNG plots go")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
@@ -292,6 +324,20 @@ def main() -> int:
     counts = [int(x) for x in args.devices.split(",")]
     top = max(counts)
     random_target = bool(args.target and args.target.startswith("random:"))
+    match_source = None
+    if args.draft_match is not None and args.draft_match.endswith(".json"):
+        try:
+            measured = json.loads(Path(args.draft_match).read_text())
+            match_source = (f"the real pair's match, measured by `--match-only` on {measured['machine']} at "
+                            f"{measured['date']} over {measured['recordings']} greedy outputs")
+            args.draft_match = float(measured["draft_match"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            ap.error(f"--draft-match {args.draft_match}: not a --match-only JSON file ({err})")
+    elif args.draft_match is not None:
+        try:
+            args.draft_match = float(args.draft_match)
+        except ValueError:
+            ap.error(f"--draft-match must be a probability or a --match-only JSON file, got {args.draft_match!r}")
     if args.draft_match is None and random_target:
         args.draft_match = 0.95
     if args.repeats < 1:
@@ -304,14 +350,20 @@ def main() -> int:
         ap.error("--draft-match must be in [0, 1]")
     if args.device_ms_per_token is not None and args.device_ms_per_token <= 0:
         ap.error("--device-ms-per-token must be positive")
+    if args.match_only and (args.draft_match is not None or random_target):
+        ap.error("--match-only measures the real drafter against the real target: no --draft-match or random target")
+    if args.tokenizer and not random_target:
+        ap.error("--tokenizer goes with a random target (--target random:...): the default target brings its own")
     if importlib.util.find_spec("llama_cpp") is None and (args.draft_match is None or args.device_ms_per_token is None):
         ap.error("llama.cpp is not installed here: give --draft-match and --device-ms-per-token")
     extra = [a for arg in args.server_arg for a in arg.split("=", 1)]
     if args.target:
         extra += ["--target", args.target]
+    if args.tokenizer:
+        extra += ["--tokenizer", args.tokenizer]
 
     rows, adaptive_rows, waiting_rows = [], [], []
-    tokenizer = device_tokenizer()
+    tokenizer = device_tokenizer(args.tokenizer)
     ids = prompts(tokenizer, args.recordings)
     alone_ms = []
     if args.device_ms_per_token is not None:
@@ -347,12 +399,27 @@ def main() -> int:
         else:
             print(f"[bench] recording the llama.cpp drafter's proposals along {args.recordings} greedy outputs ...",
                   flush=True)
-            tables = record_tables(address, tokenizer, ids, args.max_tokens)
+            tables, recorded = record_tables(address, tokenizer, ids, args.max_tokens)
+            real_match = match_rate(tables, recorded)
+            print(f"[bench] the real drafter's per-position match with the target's greedy output: "
+                  f"{real_match[0]:.3f} (by draft position: {', '.join(f'{x:.2f}' for x in real_match[1])}); "
+                  f"a GPU run replays it with --draft-match {real_match[0]:.3f}", flush=True)
+            if args.match_only:
+                if args.json:
+                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.json).write_text(json.dumps({
+                        "draft_match": real_match[0], "by_position": real_match[1], "drafting_ms_per_token": spt * 1000,
+                        "recordings": len(ids), "max_tokens": args.max_tokens, "machine": machine(),
+                        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}, indent=2))
+                    print(f"[bench] wrote {args.json}")
+                return 0
 
         plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead")]
         # Every configuration runs --repeats times, the order reversed on every other pass so that a slow
         # stretch of this shared machine does not fall on one configuration; the median run is reported.
         order = [(rep, cfg) for rep in range(args.repeats) for cfg in (plan if rep % 2 == 0 else plan[::-1])]
+        if args.warmup_pass:
+            order = [(-1, cfg) for cfg in plan] + order
         runs: dict[tuple[int, str], list[dict]] = {cfg: [] for cfg in plan}
         for rep, (n, mode) in tqdm(order, desc="system", unit="run"):
             if mode == "server-only":
@@ -370,7 +437,8 @@ def main() -> int:
                 row = summarize({"adaptive": "sled", "no-ahead": "sled-no-ahead"}.get(mode, f"sled-k{mode}"), n, w)
                 row["k"] = mode
             row["repeat"] = rep
-            runs[(n, mode)].append(row)
+            if rep >= 0:  # the warm-up pass is not counted
+                runs[(n, mode)].append(row)
         for (n, mode), done in runs.items():
             done.sort(key=lambda r: r["repeat"])
             row = dict(sorted(done, key=lambda r: r["system_tokens_per_s"])[(len(done) - 1) // 2])
@@ -444,15 +512,18 @@ def main() -> int:
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
     gpu = gpu_name()
+    # A GPU run has its own section, so that it does not replace this machine's CPU figures.
+    heading = ("## GPU system benchmark" if gpu else "## System benchmark") + (f", {args.label}" if args.label else "")
     if args.draft_match is not None:
         target_line = (f"- target: {args.target or 'SmolLM2-135M-Instruct'} on the server's default device and dtype"
                        f"{' (random weights)' if random_target else ''}; drafts: synthesized from the target's greedy "
-                       f"output, each drafted position right with probability {args.draft_match:g}, ")
+                       f"output, each drafted position right with probability {args.draft_match:.3f}"
+                       + (f" ({match_source})" if match_source else "") + ", ")
     else:
         target_line = ("- target: SmolLM2-135M-Instruct float32 on CPU; drafts: llama.cpp Q4_1's greedy proposals, "
                        "recorded and ")
     section = (
-        "## System benchmark: SLED vs server-only vs device-only\n\n"
+        f"{heading}: SLED vs server-only vs device-only\n\n"
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
         f"- machine: {machine()}" + (f", GPU: {gpu} (the server's)" if gpu else " (no GPU)") + "\n"
         f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
@@ -472,7 +543,8 @@ def main() -> int:
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
         "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n"
         "- server busy: the share of the window the server spent in its steps (batching, forward, sampling)\n"
-        f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
+        + ("- a warm-up pass ran every configuration once before the counted ones\n" if args.warmup_pass else "")
+        + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass\n\n"
         + "\n".join(lines) + "\n\n"
         "### Step time under load\n\n" + overhead
@@ -485,7 +557,7 @@ def main() -> int:
         "next token as the bonus; when that holds, the next draft is ready at once (`--no-draft-ahead` waits).\n\n"
         + "\n".join(wlines) + "\n"
     )
-    publish(args.markdown, "## System benchmark", section, args.json,
+    publish(args.markdown, heading + ":", section, args.json,
             rows + [r for r in adaptive_rows if r["k"] != "adaptive"] + waiting_rows)
     paths = plot(rows, Path(args.out_dir))
     print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines) + "\n\n" + "\n".join(wlines))

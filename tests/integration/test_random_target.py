@@ -172,3 +172,14 @@ def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server,
     assert row["per_device_tokens_per_s"] == pytest.approx(inside / 2)
     assert w.after.steps > w.before.steps
 
+
+def test_match_rate_counts_each_drafted_token_after_a_right_prefix():
+    """What --match-only measures: P(drafted token = target's greedy token | the draft's tokens before it were)."""
+    from scripts.bench_system import match_rate
+
+    full = [1, 2, 3, 4, 5, 6]
+    tables = [{2: [3, 4, 9, 6], 3: [7, 5, 6], 5: [6, 8]}]  # right, right, wrong | wrong | right, past the end
+    overall, by_position = match_rate(tables, [full])
+    # seen: position 0 three times (3, 7, 6), position 1 once (4; the 8 is past the end of full), position 2 once (9)
+    assert overall == pytest.approx(3 / 5)
+    assert by_position[:3] == pytest.approx([2 / 3, 1 / 1, 0 / 1])
