@@ -143,16 +143,20 @@ def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dt
     rows = torch.where(valid, starts[:, None] + i[None, :], 0)
     seg = torch.repeat_interleave(torch.arange(len(short)), lens)
     offset = torch.cat([torch.arange(n) for n in lens.tolist()]) if short else torch.zeros(0, dtype=torch.long)
+    to = dict(device=device, non_blocking=True)
+    # The mask is built where it is used: its size grows with the context, the index tensors' does not.
+    lens_d, ctx_d, i_d = lens.to(**to), ctx.to(**to), i.to(**to)
+    keys = torch.arange(max_ctx, device=device)
     # Query row i of a segment sits at position context_len - length + i and sees keys [0, that position]; a
     # padding row sees the same as the segment's last row (its output is dropped; it only must not be NaN).
-    qpos = (ctx - lens)[:, None] + torch.minimum(i[None, :], lens[:, None] - 1)  # [B, max_len]
-    seen = torch.arange(max_ctx)[None, None, :] <= qpos[:, :, None]  # [B, max_len, max_ctx]
-    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf")).repeat(1, groups, 1)[:, None]
-    key_ok = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, :, None]
-    to = dict(device=device, non_blocking=True)
+    qpos = (ctx_d - lens_d)[:, None] + torch.minimum(i_d[None, :], lens_d[:, None] - 1)  # [B, max_len]
+    seen = keys[None, None, :] <= qpos[:, :, None]  # [B, max_len, max_ctx]
+    mask = (torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+            .repeat(1, groups, 1)[:, None])
+    key_ok = (keys[None, :] < ctx_d[:, None])[:, None, :, None]
     return BatchPlan(slots=torch.tensor([s.slot for s in short], dtype=torch.long).to(**to), rows=rows.to(**to),
                      seg=seg.to(**to), offset=offset.to(**to), tokens=(starts[seg] + offset).to(**to),
-                     key_ok=key_ok.to(**to), mask=mask.to(**to), rest=rest,
+                     key_ok=key_ok, mask=mask, rest=rest,
                      rest_masks=causal_masks(rest, device, groups, dtype))
 
 
