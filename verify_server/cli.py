@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "system C compiler): auto uses it where it builds, on requires it, off keeps PyTorch "
                         f"(default {d.fused})")
     p.add_argument("--fused-max-tokens", type=int,
-                   help=f"largest batch, in tokens, that takes the fused path (default {d.fused_max_tokens})")
+                   help="largest batch, in tokens, that takes the fused path (default: measured at start-up, "
+                        "where the fused step stops beating PyTorch on this CPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
     p.add_argument("--attention", choices=["sdpa", "segments", "reference"], default="sdpa",

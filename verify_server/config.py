@@ -39,9 +39,10 @@ class ServerConfig:
     # The whole forward in one C call for batches of up to fused_max_tokens tokens (float32 on CPU, built at first
     # use with the system C compiler): auto (where it builds, else PyTorch) | on (it or an error) | off.
     fused: str = "auto"
-    # Past it PyTorch's oneDNN matmuls win, once many rows share each weight read: bench_engine's sweep (fused /
-    # PyTorch per forward of one session, docs/benchmarks.md) gave 0.97x at 8 tokens, 0.99x at 9, 1.07x at 12.
-    fused_max_tokens: int = 8
+    # Past it PyTorch's oneDNN matmuls win, once many rows share each weight read, at a count that depends on the
+    # CPU (bench_engine's sweep, docs/benchmarks.md: between 8 and 9 tokens on an AMD EPYC host, past 32 on a Xeon
+    # host). None: measured at start-up, one session's forward of 1-64 tokens through both.
+    fused_max_tokens: int | None = None
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
 
@@ -72,7 +73,7 @@ class ServerConfig:
             raise ValueError(f"linear must be auto, onednn or reference, got {self.linear!r}")
         if self.fused not in ("auto", "on", "off"):
             raise ValueError(f"fused must be auto, on or off, got {self.fused!r}")
-        if self.fused_max_tokens < 0:
+        if self.fused_max_tokens is not None and self.fused_max_tokens < 0:
             raise ValueError(f"fused_max_tokens must be >= 0, got {self.fused_max_tokens}")
         if self.target is not None and self.target.startswith("random:"):
             from .model_loader import random_target_shape

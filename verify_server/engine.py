@@ -98,9 +98,14 @@ class Engine:
     # ---- lifecycle ----
 
     def warmup(self) -> None:
-        """Passes of several sizes, so the first real step is not the slow one and the cost model has data."""
+        """Passes of several sizes, so the first real step is not the slow one and the cost model has data; where
+        the fused CPU step runs and fused_max_tokens is not set, first the measurement that sets it."""
         slot = self.kv.allocate()
         try:
+            if self.runner.fused is not None and self.config.fused_max_tokens is None:
+                ratios = self.runner.calibrate_fused(slot)
+                log.info("fused step up to %d tokens (fused / PyTorch: %s)", self.runner.fused_max_tokens,
+                         ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
             for n in (8, 1, 5, 1, 16, 1, 16):
                 ids = torch.ones(n, dtype=torch.long)
                 t0 = time.monotonic()

@@ -7,6 +7,7 @@ does its own forward so that every session attends over its own cache slot.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +61,15 @@ def _check_segments(inp: ModelInput) -> None:
         raise ValueError(f"segments cover {covered} tokens of {len(positions)}")
 
 
+# bench_engine's crossover on the AMD EPYC host this was first measured on (fused 0.97x PyTorch at 8 tokens, 1.07x
+# at 12): the threshold before calibrate_fused() runs, or where a runner is built without it.
+UNCALIBRATED_FUSED_MAX_TOKENS = 8
+CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto",
-                 fused: str = "auto", fused_max_tokens: int = ServerConfig.fused_max_tokens):
+                 fused: str = "auto", fused_max_tokens: int | None = ServerConfig.fused_max_tokens):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported target architecture {cfg.model_type!r}: SLED runs Llama-family models")
@@ -101,8 +108,41 @@ class ModelRunner:
         sin = emb.sin()
         half = self.head_dim // 2
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self.device, dtype=self.dtype)
-        self.fused_max_tokens = fused_max_tokens
+        # None: calibrate_fused() measures it (the engine's warm-up); until then, a threshold measured on one host.
+        self.fused_max_tokens = fused_max_tokens if fused_max_tokens is not None else UNCALIBRATED_FUSED_MAX_TOKENS
         self.fused = self._make_fused(fused)
+
+    def calibrate_fused(self, slot: int, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
+                        timer=None) -> dict[int, float]:
+        """Set fused_max_tokens where the fused step stops beating PyTorch on this machine: the largest of `sizes`
+        up to which one session's forward of that many tokens (in `slot`, positions from 0) is at least as fast
+        fused, the two timed alternately `repeats` times (best of each). Returns fused / PyTorch per size tried.
+        `timer(n, fused)`, for tests, replaces the measurement."""
+        timer = timer or (lambda n, fused: self._time_forward(n, slot, fused))
+        ratios, best = {}, 0
+        for n in (n for n in sizes if n <= self.kv.max_seq_len):
+            times = {True: [], False: []}
+            for _ in range(repeats):
+                for fused in (True, False):
+                    times[fused].append(timer(n, fused))
+            ratios[n] = min(times[True]) / min(times[False])
+            if ratios[n] > 1.0:
+                break
+            best = n
+        self.fused_max_tokens = best
+        return ratios
+
+    def _time_forward(self, n: int, slot: int, fused: bool) -> float:
+        inp = ModelInput(torch.ones(n, dtype=torch.long), torch.arange(n), torch.full((n,), slot),
+                         [Segment(slot, 0, n, n)], torch.arange(n))
+        keep = self.fused_max_tokens
+        self.fused_max_tokens = n if fused else 0
+        try:
+            t0 = time.perf_counter()
+            self.forward(inp)
+            return time.perf_counter() - t0
+        finally:
+            self.fused_max_tokens = keep
 
     def _make_fused(self, mode: str) -> CpuStep | None:
         """`auto`: the fused CPU step where it builds and runs (float32 on CPU), else PyTorch; `on`: it or an

@@ -149,6 +149,39 @@ def test_batches_past_the_threshold_take_pytorch(monkeypatch):
     assert calls == [4]
 
 
+def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
+    """fused_max_tokens unset: the warm-up times both paths and keeps the fused step up to the last size it wins,
+    stopping at its first loss (a later lucky win does not count)."""
+    model = _model(*SHAPES["head10-tails"])
+    fused, _ = _runners(model)
+    cost = {1: (1, 2), 2: (2, 3), 4: (3, 4), 8: (5, 5), 12: (7, 6), 16: (8, 9)}  # n: (fused, PyTorch)
+    seen = []
+    ratios = fused.calibrate_fused(0, sizes=tuple(cost), timer=lambda n, f: seen.append((n, f)) or cost[n][not f])
+    assert fused.fused_max_tokens == 8  # ties count as a win; 12 loses; 16 is never tried
+    assert list(ratios) == [1, 2, 4, 8, 12] and ratios[12] == pytest.approx(7 / 6)
+    assert seen[:6] == [(1, True), (1, False)] * 3  # alternated, three times each
+    # Measured for real (threshold within the sizes tried), the forwards it ran leave the runner as it was.
+    ratios = fused.calibrate_fused(1, sizes=(1, 2, 4, 8), repeats=1)
+    assert set(ratios) <= {1, 2, 4, 8} and fused.fused_max_tokens in (0, *ratios)
+
+
+@pytest.mark.model
+def test_the_engine_measures_the_threshold_only_when_it_is_unset(target):
+    from verify_server.config import ServerConfig
+    from verify_server.engine import Engine
+
+    set_ = Engine(ServerConfig(max_sessions=2, max_seq_len=128, fused_max_tokens=5), target)
+    set_.warmup()
+    assert set_.runner.fused_max_tokens == 5
+    measured = Engine(ServerConfig(max_sessions=2, max_seq_len=128), target)
+    calls = []
+    real = measured.runner.calibrate_fused
+    measured.runner.calibrate_fused = lambda slot: calls.append(slot) or real(slot, sizes=(1, 2), repeats=1)
+    measured.warmup()
+    assert len(calls) == 1 and measured.runner.fused_max_tokens in (0, 1, 2)
+    assert measured.kv.num_free == 2  # the warm-up's slot is back
+
+
 def test_fused_modes():
     model = _model(*SHAPES["head10-tails"])
     kv = KVCache(2, 1, 2, 8, 10, torch.float32, torch.device("cpu"))
