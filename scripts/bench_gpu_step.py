@@ -26,24 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchutil import gpu_name, machine, publish  # noqa: E402
+from scripts.benchutil import copy_bandwidth, gpu_name, machine, publish  # noqa: E402
 
 MARKER = "## GPU step: per-segment attention against one padded call"
-
-
-def device_copy_bandwidth(torch, device, mib: int = 1024, repeats: int = 10) -> float:
-    """Best copy bandwidth on `device` (bytes read + written per second) over buffers of `mib` MiB."""
-    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best = float("inf")
-    for _ in range(repeats):
-        sync(torch, device)
-        t0 = time.perf_counter()
-        y.copy_(x)
-        sync(torch, device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * x.numel() * 4 / best
 
 
 def sync(torch, device) -> None:
@@ -124,7 +109,7 @@ def main() -> int:
     kv.v[:, :, :, :args.context].normal_(generator=g).mul_(0.5)
     runners = {name: ModelRunner(target.model, kv, name, fused="off") for name in ("segments", "sdpa")}
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-    bandwidth = device_copy_bandwidth(torch, device)
+    bandwidth = copy_bandwidth(repeats=10, device=device)
     floor_ms = weight_bytes / bandwidth * 1000
 
     def batch(n: int, t: int) -> ModelInput:

@@ -48,13 +48,12 @@ class TransformersTokenizer:
 
     def __init__(self, folder: str | None = None):
         from sled.v1.fingerprint import vocab_fingerprint
-        from verify_server.model_loader import vocabulary_tokenizer
+        from verify_server.model_loader import vocab_tokens, vocabulary_tokenizer
 
         self._tok = vocabulary_tokenizer(folder)
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id
-        tokens = self._tok.convert_ids_to_tokens(list(range(self.vocab_size)))
-        self.fingerprint = vocab_fingerprint([t if t is not None else "" for t in tokens])
+        self.fingerprint = vocab_fingerprint(vocab_tokens(self._tok))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -101,19 +100,24 @@ def device_tokenizer(folder: str | None = None):
     return Tokenizer()
 
 
-def copy_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
-    """Best STREAM-style copy bandwidth of torch on this machine, bytes read + written per second.
-
-    The buffers (1 GiB each by default) are far larger than any cache, so this is memory."""
+def copy_bandwidth(mib: int = 1024, repeats: int = 5, device: str = "cpu") -> float:
+    """Best STREAM-style copy bandwidth of torch on `device` (host memory, or a GPU's), bytes read + written per
+    second. The buffers (1 GiB each by default) are far larger than any cache, so this is memory."""
     import torch
 
-    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         y.copy_(x)
+        sync()
         times.append(time.perf_counter() - t0)
     return 2 * x.numel() * 4 / min(times)
 

@@ -19,18 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def fingerprint(tok) -> str:
-    from sled.v1.fingerprint import vocab_fingerprint
-
-    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
-    return vocab_fingerprint([t if t is not None else "" for t in tokens])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="folder to write (created; existing tokenizer files in it are replaced)")
     args = ap.parse_args()
-    from verify_server.model_loader import vocabulary_tokenizer
+    from sled.v1.fingerprint import vocab_fingerprint
+    from verify_server.model_loader import vocab_tokens, vocabulary_tokenizer
 
     try:
         source = vocabulary_tokenizer()
@@ -41,7 +35,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     source.save_pretrained(str(out))
     copy = vocabulary_tokenizer(out)
-    want, got = fingerprint(source), fingerprint(copy)
+    want, got = vocab_fingerprint(vocab_tokens(source)), vocab_fingerprint(vocab_tokens(copy))
     if want != got or copy.chat_template != source.chat_template:
         print(f"export_tokenizer: the written folder differs from the GGUF's tokenizer (fingerprint {got} vs {want})",
               file=sys.stderr)

@@ -107,10 +107,8 @@ class Engine:
                 log.info("fused step up to %d tokens (fused / PyTorch: %s)", self.runner.fused_max_tokens,
                          ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
             for n in (8, 1, 5, 1, 16, 1, 16):
-                ids = torch.ones(n, dtype=torch.long)
                 t0 = time.monotonic()
-                self.runner.forward(ModelInput(ids, torch.arange(n), torch.full((n,), slot),
-                                               [Segment(slot, 0, n, n)], torch.arange(n)))
+                self.runner.forward(ModelInput.placeholder(n, slot))
                 self._record_cost(n, time.monotonic() - t0)
         finally:
             self.kv.free(slot)

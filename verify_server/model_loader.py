@@ -87,6 +87,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def vocab_tokens(tokenizer, size: int | None = None) -> list[str]:
+    """The token strings of ids 0..size-1 (the tokenizer's length by default), "" where an id has none: what the
+    vocabulary fingerprint is computed over on both sides."""
+    ids = list(range(len(tokenizer) if size is None else size))
+    return [t if t is not None else "" for t in tokenizer.convert_ids_to_tokens(ids)]
+
+
 def vocabulary_tokenizer(folder: str | Path | None = None):
     """The transformers tokenizer of a random target's vocabulary: from a tokenizer folder, else the default GGUF's."""
     from transformers import AutoTokenizer
@@ -123,8 +130,7 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
     vocab_size = int(model.config.vocab_size)
-    tokens = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
-    tokens = [t if t is not None else "" for t in tokens]
+    tokens = vocab_tokens(tokenizer, vocab_size)
     eos = model.config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else ()
     return Target(model=model, name=path.name, vocab_tokens=tokens, eos_token_ids=eos_ids,
@@ -164,7 +170,7 @@ def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed
     shape = random_target_shape(spec)
     tokenizer = vocabulary_tokenizer(tokenizer)
     vocab_size = len(tokenizer)
-    tokens = [t if t is not None else "" for t in tokenizer.convert_ids_to_tokens(list(range(vocab_size)))]
+    tokens = vocab_tokens(tokenizer, vocab_size)
     eos = tokenizer.eos_token_id
     config = LlamaConfig(vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
                          max_position_embeddings=max(8192, shape.pop("max_position_embeddings", 0)), **shape)

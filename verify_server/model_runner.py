@@ -17,7 +17,6 @@ from kernels.attention import ATTENTION, Segment
 from kernels.cpu_step import CpuStep, CpuStepUnavailable
 from kernels.linear import LINEAR, resolve_linear
 
-from .config import ServerConfig
 from .kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -30,6 +29,12 @@ class ModelInput:
     slots: torch.Tensor  # [num_tokens] int64, cache slot of each token
     segments: list[Segment]
     logit_rows: torch.Tensor  # [num_logit_rows] int64, flat indices whose logits are wanted
+
+    @classmethod
+    def placeholder(cls, n: int, slot: int) -> ModelInput:
+        """n placeholder tokens (id 1) at positions [0, n) of `slot`, every row's logits: for warm-up and timing."""
+        return cls(torch.ones(n, dtype=torch.long), torch.arange(n), torch.full((n,), slot), [Segment(slot, 0, n, n)],
+                   torch.arange(n))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,7 +74,7 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto",
-                 fused: str = "auto", fused_max_tokens: int | None = ServerConfig.fused_max_tokens):
+                 fused: str = "auto", fused_max_tokens: int | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported target architecture {cfg.model_type!r}: SLED runs Llama-family models")
@@ -133,8 +138,7 @@ class ModelRunner:
         return ratios
 
     def _time_forward(self, n: int, slot: int, fused: bool) -> float:
-        inp = ModelInput(torch.ones(n, dtype=torch.long), torch.arange(n), torch.full((n,), slot),
-                         [Segment(slot, 0, n, n)], torch.arange(n))
+        inp = ModelInput.placeholder(n, slot)
         keep = self.fused_max_tokens
         self.fused_max_tokens = n if fused else 0
         try:
