@@ -242,7 +242,8 @@ def summarize(mode, n, w: Window):
         "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
         "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
-        "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else 0.0,
+        # None: no request started inside the window (a slow server-only run), so no prompt to count.
+        "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
     }
 
 
@@ -276,6 +277,12 @@ def plot(rows, out_dir: Path) -> list[Path]:
 def ratio(x: float, y: float) -> float:
     """x / y, or nan when the denominator committed nothing (a starved run): the table shows it, nothing raises."""
     return x / y if y > 0 else float("nan")
+
+
+def share(row: dict) -> str:
+    """A row's share of prompt tokens from the prefix cache, or 'none' when no prompt fell in its window."""
+    value = row["prompt_tokens_from_prefix_cache"]
+    return "none" if value is None else f"{value:.0%}"
 
 
 def main() -> int:
@@ -534,8 +541,8 @@ def main() -> int:
         + f"; `sled` uses the adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"
         "- server: prefix cache on (the default); every prompt starts with the chat template's "
         f"system prompt, so prompt tokens copied from the prefix cache (sled / server-only): "
-        + ", ".join(f"{n} devices {by[('sled', n)]['prompt_tokens_from_prefix_cache']:.0%} / "
-                    f"{by[('server-only', n)]['prompt_tokens_from_prefix_cache']:.0%}" for n in counts) + "\n"
+        + ", ".join(f"{n} devices {share(by[('sled', n)])} / {share(by[('server-only', n)])}" for n in counts)
+        + " (none: no request started inside the window)\n"
         f"- load: a closed loop, each device sending requests of {args.max_tokens} greedy tokens back to back (its "
         f"own turn through the {len(ids)} prompts); tokens/s count the tokens committed in a {args.seconds:g} s "
         f"window that opens {args.warmup_s:g} s after all devices start, so every device is busy all through it\n"
