@@ -158,6 +158,7 @@ class _Generation:
         self.draft_ahead = draft_ahead and draft_tokens > 0
         self.carry: Proposal | None = None  # drafted ahead, continuing the committed context
         self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
+        self.verdict_at = 0.0  # when this round's verdict came
 
     async def _propose(self, context: list[int], k: int) -> Proposal:
         t0 = time.perf_counter()
@@ -277,8 +278,7 @@ class _Generation:
             self.drafting = [0.0, 0]
             proposal = await self.draft(k)
             t_sent = time.perf_counter()
-            verify = asyncio.ensure_future(
-                asyncio.wait_for(self.session.verify(r.rounds, proposal), self.policy.round_timeout_s))
+            verify = asyncio.ensure_future(self._verify(r.rounds, proposal))
             try:
                 ahead = await self.draft_while(verify, proposal)
             except BaseException:
@@ -301,8 +301,10 @@ class _Generation:
             if self.adaptive is not None:
                 per_token = verdict.token_ms / 1000.0  # marginal server cost of one more token, at its load
                 spent, drafted = self.drafting
+                # The round trip ends when the verdict came, not when the token being drafted ahead was done.
                 self.adaptive.observe(RoundSample(len(proposal.token_ids), verdict.n_accepted, t_sent - t_round,
-                                                  now - t_sent, per_token, spent / drafted if drafted else None))
+                                                  self.verdict_at - t_sent, per_token,
+                                                  spent / drafted if drafted else None))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted
@@ -317,6 +319,11 @@ class _Generation:
             if verdict.finished:
                 r.finish_reason = verdict.finish_reason
                 return
+
+    async def _verify(self, round_: int, proposal: Proposal):
+        verdict = await asyncio.wait_for(self.session.verify(round_, proposal), self.policy.round_timeout_s)
+        self.verdict_at = time.perf_counter()
+        return verdict
 
     async def draft(self, k: int) -> Proposal:
         """This round's k tokens: those drafted ahead during the last round first, the rest drafted now."""

@@ -132,3 +132,29 @@ def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_r
     assert first[:2] == [8, 8] and first[-1] == 1
     assert second[0] == 1 and set(second) == {1}
     assert fresh[:2] == [8, 8]
+
+
+def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_ahead_is_done():
+    """The verdict comes after 5 ms while the drafter spends 60 ms on each token it drafts ahead: the round trip
+    the controller learns is the server's, not the server's plus the rest of the token in progress."""
+    import asyncio
+    import time as clock
+
+    from edge_client.generation import generate
+    from tests.edge_client.test_draft_ahead import P_GREEDY, PROMPT, TOKENIZER, FakeClient, TableDrafter, cycle
+
+    class Slow(TableDrafter):
+        def propose(self, context, k):
+            clock.sleep(0.06 * k)
+            return super().propose(context, k)
+
+    seen: list[RoundSample] = []
+
+    class Watching(AdaptiveDraftLength):
+        def observe(self, sample):
+            seen.append(sample)
+            super().observe(sample)
+
+    asyncio.run(generate(FakeClient(0, 0.005, max_tokens=8, target=P_GREEDY), Slow(cycle(2, 3, 1, 0)), TOKENIZER,
+                         PROMPT, max_tokens=8, draft_ahead=True, controller=Watching(k_max=2, k_initial=2, ahead=True)))
+    assert seen and all(s.rtt_s < 0.04 for s in seen), [round(s.rtt_s, 3) for s in seen]

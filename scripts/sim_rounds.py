@@ -1,0 +1,208 @@
+"""A discrete-event model of N devices and one batching verify server, to test the draft-length controller.
+
+    python scripts/sim_rounds.py --devices 4,16,32 --step-fixed-ms 50 --step-token-ms 0.05 --draft-ms 16.8
+
+The server runs one step at a time: it starts when every device's draft is waiting or the oldest has waited
+`max_wait_ms`, verifies all that wait, and takes `fixed + per_token * tokens` (a launch-bound GPU: a large fixed
+part; a CPU: a large per-token part). Each device drafts at `draft_ms` per token, each drafted token right with
+probability `match` (independently, as the target's greedy text is fixed), drafts ahead while its draft is
+verified (finishing the token in progress when the verdict comes, as edge_client.generation does), and chooses K
+with the real edge_client.adaptive controller, fed what a device measures. The figures are the model's, not a
+measurement: the point is the controller's choice against fixed K under the same model, fast and repeatable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edge_client.adaptive import AdaptiveDraftLength, RoundSample  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Regime:
+    step_fixed_s: float  # a step's cost at zero tokens
+    step_token_s: float  # and per verified token
+    draft_s: float  # a device's drafting time per token
+    match: float = 0.98  # probability that a drafted token is the target's
+    max_wait_s: float = 0.003  # the server's batching window
+    net_s: float = 0.0005  # one way
+    step_session_s: float = 0.0  # and per session in the step (per-segment launches and bookkeeping)
+
+
+@dataclass
+class _Device:
+    k: int | None  # fixed K, or None for the controller
+    ctrl: AdaptiveDraftLength | None
+    rng: random.Random
+    carry: int = 0  # tokens drafted ahead that continue the committed context
+    tokens: int = 0  # committed inside the measured window
+    round_start: float = 0.0
+    sent: float = 0.0
+    drafted: int = 0
+    server: float = 0.0  # the server's marginal token cost, as its last verdict reported it
+    ks: list[int] = field(default_factory=list)
+
+
+def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0, warmup_s: float = 3.0,
+             k_max: int = 8, ahead: bool = True, seed: int = 0) -> dict:
+    """Committed tokens per second of `devices` devices over `seconds` after `warmup_s`, with fixed K = k or the
+    adaptive controller (k=None)."""
+    r = regime
+    rng = random.Random(seed)
+    devs = [_Device(k, None if k is not None else AdaptiveDraftLength.for_device(k_max, ahead),
+                    random.Random(rng.random())) for _ in range(devices)]
+    events: list[tuple[float, int, str, int]] = []
+    seq = 0
+
+    def at(t, kind, d=-1):
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, d))
+
+    pending: list[tuple[float, int]] = []  # (arrival, device) of the drafts waiting for a step
+    busy_until = None  # end of the step in progress
+    start_at = None  # a step scheduled to start
+    last_steps: list[tuple[float, int, int]] = []  # (seconds, tokens, sessions) of recent steps
+
+    def begin_round(d: int, now: float) -> None:
+        dev = devs[d]
+        kk = dev.k if dev.k is not None else dev.ctrl.k
+        dev.round_start, dev.drafted = now, kk
+        dev.ks.append(kk)
+        fresh = max(0, kk - dev.carry)
+        dev.carry = 0
+        at(now + fresh * r.draft_s, "send", d)
+
+    def schedule(now: float) -> None:
+        nonlocal start_at
+        if busy_until is not None or not pending:
+            return
+        t = now if len(pending) == devices else max(now, min(a for a, _ in pending) + r.max_wait_s)
+        if start_at is None or t < start_at:
+            start_at = t
+            at(t, "start")
+
+    def token_cost() -> float:
+        # The server's marginal cost of a token, as it reports it: the slope of step time over step tokens.
+        if len(last_steps) < 2:
+            return r.step_token_s
+        xs = [n for _, n, _ in last_steps]
+        ys = [s for s, _, _ in last_steps]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        return max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0) if var > 0 else r.step_token_s
+
+    for d in range(devices):
+        begin_round(d, rng.random() * r.draft_s)
+    end = warmup_s + seconds
+    batch: list[int] = []
+    while events:
+        now, _, kind, d = heapq.heappop(events)
+        if now > end:
+            break
+        if kind == "send":
+            devs[d].sent = now
+            at(now + r.net_s, "arrive", d)
+        elif kind == "arrive":
+            pending.append((now, d))
+            schedule(now)
+        elif kind == "start":
+            if start_at is None or now < start_at or busy_until is not None:
+                continue
+            start_at = None
+            batch = [dv for _, dv in pending]
+            pending.clear()
+            tokens = sum(devs[dv].drafted + 1 for dv in batch)
+            cost = r.step_fixed_s + r.step_token_s * tokens + r.step_session_s * len(batch)
+            last_steps.append((cost, tokens, len(batch)))
+            del last_steps[:-16]
+            busy_until = now + cost
+            at(busy_until, "done")
+        elif kind == "done":
+            busy_until = None
+            c = token_cost()
+            for dv in batch:
+                at(now + r.net_s, "verdict", dv)
+                devs[dv].server = c
+            batch = []
+            schedule(now)
+        elif kind == "verdict":
+            dev = devs[d]
+            kk = dev.drafted
+            accepted = 0
+            while accepted < kk and dev.rng.random() < r.match:
+                accepted += 1
+            # Drafting ahead from `sent`: tokens made by now, the one in progress finished before going on.
+            made = 0
+            resume = now
+            if ahead:
+                made = min(int((now - dev.sent) / r.draft_s), k_max + 1)
+                if made < k_max + 1 and now > dev.sent:
+                    made += 1
+                    resume = max(now, dev.sent + made * r.draft_s)
+            if accepted == kk and made > 1 and dev.rng.random() < r.match:
+                dev.carry = made - 1
+            if warmup_s <= now:
+                dev.tokens += accepted + 1
+            if dev.ctrl is not None:
+                dev.ctrl.observe(RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server,
+                                             r.draft_s))
+            begin_round(d, resume)
+    total = sum(dv.tokens for dv in devs)
+    ks = [x for dv in devs for x in dv.ks]
+    return {"devices": devices, "k": "adaptive" if k is None else k, "system_tokens_per_s": total / seconds,
+            "mean_k": sum(ks) / len(ks)}
+
+
+def compare(regime: Regime, devices: int, seconds: float = 30.0, seed: int = 0) -> dict:
+    """Adaptive and fixed K = 2, 4, 8 under one regime: tokens/s of each and adaptive / best fixed."""
+    rows = {k: simulate(regime, devices, k, seconds, seed=seed) for k in (2, 4, 8, None)}
+    best = max((k for k in rows if k is not None), key=lambda k: rows[k]["system_tokens_per_s"])
+    return {"rows": rows, "best_fixed": best,
+            "ratio": rows[None]["system_tokens_per_s"] / rows[best]["system_tokens_per_s"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="1,4,16,32", help="device counts (default 1,4,16,32)")
+    ap.add_argument("--step-fixed-ms", type=float, default=50.0, help="a step's cost at zero tokens (default 50)")
+    ap.add_argument("--step-token-ms", type=float, default=0.05, help="a step's cost per token (default 0.05)")
+    ap.add_argument("--step-session-ms", type=float, default=0.0, help="a step's cost per session (default 0)")
+    ap.add_argument("--draft-ms", type=float, default=16.8, help="drafting time per token (default 16.8)")
+    ap.add_argument("--match", type=float, default=0.98, help="probability a drafted token is right (default 0.98)")
+    ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds per run (default 30)")
+    args = ap.parse_args()
+    for name in ("step_fixed_ms", "step_token_ms", "step_session_ms", "draft_ms", "seconds"):
+        if getattr(args, name) < 0 or (name in ("draft_ms", "seconds") and getattr(args, name) == 0):
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.match <= 1:
+        ap.error("--match must be in [0, 1]")
+    try:
+        counts = [int(x) for x in args.devices.split(",")]
+    except ValueError:
+        ap.error(f"--devices must be comma-separated integers, got {args.devices!r}")
+    if any(n < 1 for n in counts):
+        ap.error("--devices must be positive")
+    regime = Regime(args.step_fixed_ms / 1000, args.step_token_ms / 1000, args.draft_ms / 1000, args.match,
+                    step_session_s=args.step_session_ms / 1000)
+    print("| devices | K=2 | K=4 | K=8 | adaptive (mean K) | adaptive / best fixed |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in counts:
+        c = compare(regime, n, args.seconds)
+        rows = c["rows"]
+        print(f"| {n} | " + " | ".join(f"{rows[k]['system_tokens_per_s']:.1f}" for k in (2, 4, 8)) +
+              f" | {rows[None]['system_tokens_per_s']:.1f} ({rows[None]['mean_k']:.2f}) | {c['ratio']:.2f}x |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The draft-length controller in scripts/sim_rounds.py's model of devices and a batching server."""
+
+import pytest
+
+from scripts.sim_rounds import Regime, compare, simulate
+
+# A launch-bound GPU server (a step costs 50 ms whatever its tokens), as the 1B target behaved on the H100 under
+# load; this machine's CPU server (17 ms a step plus 1.7 ms a token); both with the real drafter's speed here.
+GPU = Regime(step_fixed_s=0.050, step_token_s=0.00005, draft_s=0.0168)
+CPU = Regime(step_fixed_s=0.017, step_token_s=0.0017, draft_s=0.0166)
+
+
+@pytest.mark.parametrize("regime", [GPU, CPU], ids=["launch-bound", "cpu"])
+@pytest.mark.parametrize("devices", [1, 4, 16])
+def test_adaptive_is_within_ten_percent_of_the_best_fixed_k(regime, devices):
+    result = compare(regime, devices, seconds=20.0)
+    assert result["ratio"] >= 0.9, result
+
+
+def test_the_model_commits_what_fixed_k_implies_with_one_device_and_an_instant_server():
+    """Nothing to wait for and every token right: K = 4 commits 5 tokens per 4 drafted, drafting ahead covers
+    nothing (the verdict comes before a token is drafted), so one device commits 5 / (4 x 10 ms) = 125 tokens/s."""
+    r = Regime(step_fixed_s=0.0, step_token_s=0.0, draft_s=0.010, match=1.0, max_wait_s=0.0, net_s=0.0)
+    out = simulate(r, 1, 4, seconds=10.0, warmup_s=1.0, ahead=False)
+    assert out["system_tokens_per_s"] == pytest.approx(125.0, rel=0.02)
+    assert out["mean_k"] == 4
