@@ -12,8 +12,8 @@ bonus token the drafter guessed (probability about alpha^(k+1)) leaves the next 
 trip, so only max(0, (k+1) * t_draft - rtt) of drafting is left before it goes out; any other round drafts all k
 after the verdict. Drafting ahead thus favours drafts short enough to be ready within one round trip, but not
 shorter than that by much: a verdict that comes while a token is being drafted ahead waits for that token (half a
-token on average), which a draft long enough to keep the drafter busy anyway does not notice. Leaving this out cut
-the draft to 2-3 tokens against a 50 ms round trip in scripts/sim_rounds.py's model (0.89x the best fixed K).
+token on average), which a draft long enough to keep the drafter busy anyway does not notice (tests/test_sim_rounds.py:
+without it, one device at a launch-bound server chose 2-3 tokens, under 0.9x the best fixed K).
 
 A device keeps one controller across its requests (`generate(..., controller=)`): acceptance, drafting time and
 round trip describe the device, its drafter and the server, not one request. A fresh controller per request

@@ -279,6 +279,13 @@ def ratio(x: float, y: float) -> float:
     return x / y if y > 0 else float("nan")
 
 
+def server_flags(devices: int, max_wait_ms: float) -> list[str]:
+    """sled-server's flags for a load of up to `devices` devices: a slot for each (and two spare), every device's
+    draft in one step."""
+    return ["--max-sessions", str(devices + 2), "--max-seq-len", "512", "--max-batch-sessions", str(devices),
+            "--max-batch-tokens", str(max(512, devices * 10)), "--max-wait-ms", str(max_wait_ms)]
+
+
 def share(row: dict) -> str:
     """A row's share of prompt tokens from the prefix cache, or 'none' when no prompt fell in its window."""
     value = row["prompt_tokens_from_prefix_cache"]
@@ -392,9 +399,7 @@ def main() -> int:
         print(f"[bench] one llama.cpp drafter alone: {', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; "
               f"median {device_spt * 1000:.1f}", flush=True)
     spt = device_spt
-    server = ServerProcess("--max-sessions", str(top + 2), "--max-seq-len", "512", "--max-batch-sessions", str(top),
-                           "--max-batch-tokens", str(max(512, top * 10)), "--max-wait-ms", str(args.max_wait_ms),
-                           *extra)
+    server = ServerProcess(*server_flags(top, args.max_wait_ms), *extra)
     address = server.start()
     try:
         fulls = None

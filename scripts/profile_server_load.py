@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "protos"))
 
 from edge_client.drafters import create_drafter  # noqa: E402
-from scripts.bench_system import (ReplayDrafter, greedy_outputs, prompts, run_window, summarize,  # noqa: E402
-                                  synthesize_tables)
+from scripts.bench_system import (ReplayDrafter, greedy_outputs, prompts, run_window, server_flags,  # noqa: E402
+                                  summarize, synthesize_tables)
 from scripts.benchutil import ServerProcess, device_tokenizer  # noqa: E402
 
 
@@ -80,8 +80,7 @@ def main() -> int:
         extra += ["--tokenizer", args.tokenizer]
     tok = device_tokenizer(args.tokenizer)
     ids = prompts(tok, 8)
-    server = ServerProcess("--max-sessions", str(n + 2), "--max-seq-len", "512", "--max-batch-sessions", str(n),
-                           "--max-batch-tokens", str(max(512, n * 10)), "--max-wait-ms", "3", *extra)
+    server = ServerProcess(*server_flags(n, 3.0), *extra)
     address = server.start()
     try:
         fulls = greedy_outputs(address, tok, ids, 64)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
     pending: list[tuple[float, int]] = []  # (arrival, device) of the drafts waiting for a step
     busy_until = None  # end of the step in progress
     start_at = None  # a step scheduled to start
-    last_steps: list[tuple[float, int, int]] = []  # (seconds, tokens, sessions) of recent steps
+    last_steps: list[tuple[float, int]] = []  # (seconds, tokens) of recent steps
 
     def begin_round(d: int, now: float) -> None:
         dev = devs[d]
@@ -92,13 +93,10 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
 
     def token_cost() -> float:
         # The server's marginal cost of a token, as it reports it: the slope of step time over step tokens.
-        if len(last_steps) < 2:
+        tokens = [n for _, n in last_steps]
+        if len(set(tokens)) < 2:
             return r.step_token_s
-        xs = [n for _, n, _ in last_steps]
-        ys = [s for s, _, _ in last_steps]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        return max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0) if var > 0 else r.step_token_s
+        return max(statistics.linear_regression(tokens, [s for s, _ in last_steps]).slope, 0.0)
 
     for d in range(devices):
         begin_round(d, rng.random() * r.draft_s)
@@ -122,7 +120,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             pending.clear()
             tokens = sum(devs[dv].drafted + 1 for dv in batch)
             cost = r.step_fixed_s + r.step_token_s * tokens + r.step_session_s * len(batch)
-            last_steps.append((cost, tokens, len(batch)))
+            last_steps.append((cost, tokens))
             del last_steps[:-16]
             busy_until = now + cost
             at(busy_until, "done")
