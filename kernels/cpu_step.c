@@ -24,14 +24,41 @@
 #include <immintrin.h>
 #endif
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
-#define VL 16
-/* Register blocking of the matrix products: RB weight rows by MB batch rows of accumulators. Measured over a
- * step's 121 projections on the 2-core test host (AMD EPYC, AVX-512), 8 x 2 beat 4 x 4, 4 x 6, 8 x 1, 8 x 3,
- * 12 x 2, 16 x 1 and 16 x 2 from 9 rows up (9 rows 21-24 ms against 29-32 for 4 x 4) and tied at 1 row. */
-#define RB 8
-#define MB 2
+/* Vector width and the register blocking of the matrix products (RB weight rows by MB batch rows of
+ * accumulators), per instruction set: the accumulators, the RB weight vectors and one input vector must fit in
+ * the vector registers, or the inner loop spills to the stack and stops reusing each weight load over the batch
+ * rows (a step then costs about M times the one-row step).
+ * AVX-512 (32 registers of 16 floats): 8 x 2, measured over a step's 121 projections on an AVX-512 EPYC host:
+ * it beat 4 x 4, 4 x 6, 8 x 1, 8 x 3, 12 x 2, 16 x 1 and 16 x 2 from 9 rows up and tied at 1 row.
+ * Otherwise (AVX2: 16 registers of 8 floats): 8-float vectors and 6 x 2, measured over the same projections on
+ * an AVX2-only EPYC host (3 interleaved passes, best of 5 each): 6 x 2 and 5 x 2 led from 4 rows up (16 rows 73-78
+ * ms, 32 rows 134-141), ahead of 4 x 2, 8 x 1, 4 x 3, 3 x 3 and 2 x 4; the AVX-512 layout on that host, 16-float
+ * vectors in 8 x 2, spilled and cost about M times the one-row product (2 rows 1.9x, 8 rows 6.8x). Each can be
+ * overridden with -D (SLED_VBYTES, RB, MB) for such a sweep. */
+#if defined(__AVX512F__)
+#define SLED_DEFAULT_VBYTES 64
+#define SLED_DEFAULT_RB 8
+#define SLED_DEFAULT_MB 2
+#else
+#define SLED_DEFAULT_VBYTES 32
+#define SLED_DEFAULT_RB 6
+#define SLED_DEFAULT_MB 2
+#endif
+#ifndef SLED_VBYTES
+#define SLED_VBYTES SLED_DEFAULT_VBYTES
+#endif
+#ifndef RB
+#define RB SLED_DEFAULT_RB
+#endif
+#ifndef MB
+#define MB SLED_DEFAULT_MB
+#endif
+#if MB < 1 || MB > 4 || RB < 1
+#error "MB (batch rows per block) must be 1 to 4 and RB positive"
+#endif
+typedef float vf __attribute__((vector_size(SLED_VBYTES)));
+typedef float vfu __attribute__((vector_size(SLED_VBYTES), aligned(4), may_alias));
+#define VL (SLED_VBYTES / 4)
 
 static inline vf vload(const float *p) { return *(const vfu *)p; }
 
@@ -45,10 +72,10 @@ static inline float hsum(vf v) {
 #endif
 }
 
-/* e^x for 16 lanes, inputs clamped to [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor
+/* e^x for VL lanes, inputs clamped to [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor
  * polynomial, 2^n put into the exponent bits; within 1e-7 relative of exp (sled_exp, tested). Softmax and SiLU
  * call it per element: scalar expf cost a step several ms at 9 or more rows (one call per row, head and key). */
-typedef int32_t vi __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(SLED_VBYTES)));
 static inline vf vselect(vi mask, vf a, vf b) {  /* a where mask, else b */
     vi ai, bi;
     __builtin_memcpy(&ai, &a, sizeof a);
@@ -155,6 +182,12 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *w, const f
             float acc[MB][RB];
             switch (mb) {  /* a constant row count per case, so each case compiles to its own loop */
             case 1: block(x + m0 * ldx, ldx, 1, wb, K, acc); break;
+#if MB > 2
+            case 2: block(x + m0 * ldx, ldx, 2, wb, K, acc); break;
+#endif
+#if MB > 3
+            case 3: block(x + m0 * ldx, ldx, 3, wb, K, acc); break;
+#endif
             default: block(x + m0 * ldx, ldx, MB, wb, K, acc); break;
             }
             for (int m = 0; m < mb; ++m)
@@ -222,9 +255,9 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     float sum = 0.f;
     for (int64_t j = 0; j < ctx; ++j) sum += scores[j];
     float inv = 1.0f / sum;
-    if (hd % VL == 0 && hd <= 8 * VL) {
-        vf acc[8];
-        for (int c = 0; c < 8; ++c) acc[c] = (vf){0};
+    if (hd % VL == 0 && hd <= 128) {  /* the output row in registers: 8 vectors of 16 or 16 of 8 at 128 */
+        vf acc[128 / VL];
+        for (int c = 0; c < 128 / VL; ++c) acc[c] = (vf){0};
         for (int64_t j = 0; j < ctx; ++j) {
             float p = scores[j] * inv;
             const float *vj = V + j * hd;

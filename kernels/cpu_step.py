@@ -51,9 +51,10 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-@functools.cache  # one build and one load per process
-def load_library() -> ctypes.CDLL:
-    """Build kernels/cpu_step.c for this CPU if no cached build matches, then load it."""
+@functools.cache  # one build and one load per process (per set of defines)
+def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build kernels/cpu_step.c for this CPU if no cached build matches, then load it. `defines` ("NAME=VALUE"),
+    for tests and sweeps: a vector width or register blocking other than this CPU's default (SLED_VBYTES, RB, MB)."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise CpuStepUnavailable(f"no C compiler ({compiler!r} not found)")
@@ -61,7 +62,8 @@ def load_library() -> ctypes.CDLL:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise CpuStepUnavailable(f"C compiler {compiler!r} does not run: {err}") from err
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(),
+    flags = FLAGS + [f"-D{d}" for d in defines]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(flags), platform.machine(),
                                     _cpu_id()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_step-{key}.so"
     if not target.exists():
@@ -70,7 +72,7 @@ def load_library() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             try:
-                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"],
+                done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out), "-lm"],
                                       capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.SubprocessError) as err:
                 raise CpuStepUnavailable(f"building {SOURCE.name} failed: {err}") from err

@@ -71,8 +71,23 @@ SHAPES = {
 }
 
 
+# The kernel's vector width and register blocking depend on the CPU it is built for (AVX-512 or not); every
+# layout is built here with -D, so each is checked on any host that can run it.
+LAYOUTS = {
+    "native": (),
+    "avx2-8x6x2": ("SLED_VBYTES=32", "RB=6", "MB=2"),
+    "avx512-16x8x2": ("SLED_VBYTES=64", "RB=8", "MB=2"),
+    "odd-8x5x3": ("SLED_VBYTES=32", "RB=5", "MB=3"),  # batch rows left over from every block
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_fused_step_matches_reference_over_ragged_batches(shape):
+def test_fused_step_matches_reference_over_ragged_batches(shape, layout, monkeypatch):
+    import kernels.cpu_step as cpu_step
+
+    defines = LAYOUTS[layout]
+    monkeypatch.setattr(cpu_step, "load_library", lambda: load_library(defines))
     kind, *dims = SHAPES[shape]
     model = _model(kind, *dims)
     fused, reference = _runners(model)
