@@ -26,7 +26,8 @@ devices' tokenizer is the same vocabulary read through transformers.
 
 Load: a closed loop. Each device sends requests back to back (device d starts at prompt d and takes the prompts
 in turn) and the figures count what was committed in a window of --seconds that opens --warmup-s after the start,
-so every device is busy all through the window: system tokens/s is the sum of the devices' rates at that load, not
+or later, once every device has committed its first round (at many devices the first prompts' prefill, all opened
+together, can outlast the warm-up), so every device is busy all through the window: system tokens/s is the sum of the devices' rates at that load, not
 one request each over the time the slowest device took (which counted the idle tail of devices done early).
 Inter-token latency: a round that commits n tokens in t seconds gives each of them t / n.
 Writes JSON rows, PNG plots (--out-dir) and its section of docs/benchmarks.md.
@@ -161,39 +162,52 @@ def prompts(tokenizer, n):
 class Timeline:
     """A device's drafter, noting when each round's tokens are committed (the drafter's accept)."""
 
-    def __init__(self, drafter):
-        self.drafter, self.commits = drafter, []
+    def __init__(self, drafter, on_commit=None):
+        self.drafter, self.commits, self.on_commit = drafter, [], on_commit
 
     def __getattr__(self, name):
         return getattr(self.drafter, name)
 
     def accept(self, context, ahead=()):
         self.commits.append(time.perf_counter())
+        if self.on_commit is not None:
+            self.on_commit()
         self.drafter.accept(context, ahead)
 
 
 @dataclass
 class Window:
     """What N devices did inside the measured window: per device, its committed rounds as (time, tokens,
-    seconds), and the request totals; the server's statistics at the window's two ends."""
+    seconds), and the request totals; the server's statistics at the window's two ends; when the window opened,
+    in seconds from the start."""
     seconds: float
     rounds: list[list[tuple[float, int, float]]]
     results: list
     before: object
     after: object
+    opened_s: float = 0.0
+
+
+# The window waits for every device's first commit, but not past this: a device the server starves is then
+# counted as it is (it shows as a low per-device rate).
+MAX_OPEN_WAIT_S = 120.0
 
 
 async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens, k, warmup_s, seconds,
                      adaptive=False, draft_ahead=True) -> Window:
     """N devices in a closed loop: each runs requests back to back (device d starts at prompt d and goes through
-    them in turn) until the window ends; tokens count when they are committed inside [warmup_s, warmup_s +
-    seconds] after the start. A request in progress at the end stops at its next round."""
+    them in turn) until the window ends; tokens count when they are committed inside the window of `seconds`.
+    The window opens `warmup_s` after the start, or later, once every device has committed its first round: the
+    first requests all open together, and at many devices their prompts' prefill can outlast the warm-up; a
+    window that opened during it would count a start-up phase, not the steady load. A request in progress at the
+    end stops at its next round."""
     # Devices draft in threads (asyncio.to_thread): one thread each, as each device is its own hardware (the
     # default pool, cores + 4 threads, would queue the drafting of 16 or 32 devices).
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=n + 4))
     client = VerifierClient(address)
     t0 = time.perf_counter()
-    start, end = t0 + warmup_s, t0 + warmup_s + seconds
+    start = end = float("inf")  # set when the window opens
+    first_commit = [False] * n  # written from the drafting threads; read by window()
 
     async def device(d):
         rounds, results, j = [], [], 0
@@ -201,7 +215,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
         while time.perf_counter() < end:
             p = (d + j) % len(prompt_ids)
-            drafter = Timeline(make_drafter(p))
+            drafter = Timeline(make_drafter(p), on_commit=lambda: first_commit.__setitem__(d, True))
             r = await generate(client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
                                adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
                                controller=controller, should_stop=lambda: time.perf_counter() >= end)
@@ -210,15 +224,23 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             j += 1
         return rounds, results
 
-    async def stats_at(t):
-        await asyncio.sleep(max(0.0, t - time.perf_counter()))
-        return (await client.info()).stats
+    async def window():
+        nonlocal start, end
+        await asyncio.sleep(max(0.0, t0 + warmup_s - time.perf_counter()))
+        while not all(first_commit) and time.perf_counter() - t0 < MAX_OPEN_WAIT_S:
+            await asyncio.sleep(0.01)
+        before = (await client.info()).stats
+        start = time.perf_counter()
+        end = start + seconds
+        await asyncio.sleep(seconds)
+        return before, (await client.info()).stats, start - t0
 
     try:
-        done = await asyncio.gather(stats_at(start), stats_at(end), *[device(d) for d in range(n)])
+        done = await asyncio.gather(window(), *[device(d) for d in range(n)])
     finally:
         await client.close()
-    return Window(seconds, [d[0] for d in done[2:]], [r for d in done[2:] for r in d[1]], done[0], done[1])
+    before, after, opened_s = done[0]
+    return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s)
 
 
 def summarize(mode, n, w: Window):
@@ -242,6 +264,7 @@ def summarize(mode, n, w: Window):
         "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
         "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
+        "window_opened_s": w.opened_s,
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
         "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
     }
@@ -550,7 +573,11 @@ def main() -> int:
         + " (none: no request started inside the window)\n"
         f"- load: a closed loop, each device sending requests of {args.max_tokens} greedy tokens back to back (its "
         f"own turn through the {len(ids)} prompts); tokens/s count the tokens committed in a {args.seconds:g} s "
-        f"window that opens {args.warmup_s:g} s after all devices start, so every device is busy all through it\n"
+        f"window that opens {args.warmup_s:g} s after all devices start, or later, once every device has committed "
+        "its first round (the first prompts' prefill at many devices can outlast the warm-up), so every device is busy "
+        "all through it; it opened after (s, the reported runs) "
+        + ", ".join(f"{n} devices {max(r['window_opened_s'] for r in rows if r['devices'] == n and 'window_opened_s' in r):.1f}"
+                    for n in counts) + "\n"
         f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
         "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n"

@@ -163,14 +163,43 @@ def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server,
         full = by_prompt[tuple(r.prompt_token_ids)]
         assert r.token_ids == full[len(r.prompt_token_ids):len(r.prompt_token_ids) + len(r.token_ids)]
     # Only rounds committed inside the window count, and the rates are their tokens over its length.
+    assert w.opened_s >= 0.3
+    opened = t0 + w.opened_s
     times = [t for dev in w.rounds for t, _, _ in dev]
-    assert times and t0 + 0.3 <= min(times) and max(times) < t0 + 0.3 + 1.0 + 0.05
+    assert times and opened <= min(times) and max(times) < opened + 1.0 + 0.05
     inside = sum(tok for dev in w.rounds for _, tok, _ in dev)
     assert inside < sum(len(r.token_ids) for r in w.results)
     row = summarize("sled", 2, w)
     assert row["system_tokens_per_s"] == pytest.approx(inside / 1.0)
     assert row["per_device_tokens_per_s"] == pytest.approx(inside / 2)
     assert w.after.steps > w.before.steps
+
+
+def test_the_window_opens_only_once_every_device_has_committed(tiny_server, tokenizer):
+    """A device whose first round comes late (its prompt's prefill outlasted the warm-up, at many devices) keeps the
+    window shut: opening it on time would count a start-up phase as the steady load."""
+    from scripts.bench_system import ReplayDrafter, greedy_outputs, prompts, run_window
+
+    ids = prompts(tokenizer, 2)
+    fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)
+    tables = [{n: full[n:n + 4] for n in range(len(i), len(full))} for i, full in zip(ids, fulls)]
+    late = {"first": True}
+
+    class LateStart(ReplayDrafter):
+        def propose(self, context, k):
+            if late.pop("first", False):
+                time.sleep(0.8)
+            return super().propose(context, k)
+
+    def make(p):
+        return (LateStart if p == 1 else ReplayDrafter)(tables[p], 0.002, fulls[p])
+
+    t0 = time.perf_counter()
+    w = run(run_window(tiny_server.address, tokenizer, make, ids, 2, 8, 4, 0.1, 0.5))
+    assert w.opened_s >= 0.8
+    times = [t for dev in w.rounds for t, _, _ in dev]
+    assert all(dev for dev in w.rounds)  # both devices committed inside the window
+    assert min(times) >= t0 + w.opened_s
 
 
 def test_match_rate_counts_each_drafted_token_after_a_right_prefix():
