@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import subprocess
@@ -25,6 +26,8 @@ def free_port() -> int:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__ + " It takes no options: the server's log goes to a temporary folder "
+                            "it names, and the models are the defaults (README.md, make demo).").parse_args()
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="sled-demo-"))
     log = workdir / "server.log"

@@ -86,6 +86,18 @@ def test_help_documents_every_option():
         assert flag in gen.stdout
 
 
+def test_every_script_with_a_main_answers_help_without_starting_anything():
+    """`--help` on each script prints its usage and returns at once (demo.py used to start a server on it)."""
+    root = Path(__file__).resolve().parents[2]
+    scripts = [p for p in sorted((root / "scripts").glob("*.py")) if "__main__" in p.read_text()]
+    assert any(p.name == "demo.py" for p in scripts)
+    for script in scripts:
+        done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60,
+                              cwd=root)
+        assert done.returncode == 0 and done.stdout.startswith("usage:"), (script.name, done.stdout[:200],
+                                                                           done.stderr[-500:])
+
+
 def test_bad_config_is_a_clear_error(tmp_path):
     cfg = tmp_path / "server.yaml"
     cfg.write_text("max_sessions: -3\n")
