@@ -71,6 +71,9 @@ def main() -> int:
             print(f"  {drafter:10} {len(s['token_ids']):6d} {s['rounds']:6d} {s['acceptance_rate']:7.2f} "
                   f"{s['mean_acceptance_length']:8.2f} {s['tokens_per_second']:7.1f}")
         print("  (none = the server decodes every token: the server-only baseline)")
+        print("  (here the drafter and the server share this machine's cores, so drafting slows verification "
+              "down;\n   real devices draft on their own hardware: scripts/bench_system.py measures that, "
+              "docs/benchmarks.md)")
         return 0
     finally:
         server.terminate()
