@@ -27,8 +27,9 @@ devices' tokenizer is the same vocabulary read through transformers.
 Load: a closed loop. Each device sends requests back to back (device d starts at prompt d and takes the prompts
 in turn) and the figures count what was committed in a window of --seconds that opens --warmup-s after the start,
 or later, once every device has committed its first round (at many devices the first prompts' prefill, all opened
-together, can outlast the warm-up), so every device is busy all through the window: system tokens/s is the sum of the devices' rates at that load, not
-one request each over the time the slowest device took (which counted the idle tail of devices done early).
+together, can outlast the warm-up), so every device is busy all through the window: system tokens/s is the sum of
+the devices' rates at that load, not one request each over the time the slowest device took (which counted the
+idle tail of devices done early).
 Inter-token latency: a round that commits n tokens in t seconds gives each of them t / n.
 Writes JSON rows, PNG plots (--out-dir) and its section of docs/benchmarks.md.
 """
@@ -576,7 +577,7 @@ def main() -> int:
         f"window that opens {args.warmup_s:g} s after all devices start, or later, once every device has committed "
         "its first round (the first prompts' prefill at many devices can outlast the warm-up), so every device is busy "
         "all through it; it opened after (s, the reported runs) "
-        + ", ".join(f"{n} devices {max(r['window_opened_s'] for r in rows if r['devices'] == n and 'window_opened_s' in r):.1f}"
+        + ", ".join(f"{n} devices {max(by[(m, n)]['window_opened_s'] for m in ('sled', 'server-only')):.1f}"
                     for n in counts) + "\n"
         f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
