@@ -24,41 +24,45 @@
 #include <immintrin.h>
 #endif
 
-/* Vector width and the register blocking of the matrix products (RB weight rows by MB batch rows of
- * accumulators), per instruction set: the accumulators, the RB weight vectors and one input vector must fit in
- * the vector registers, or the inner loop spills to the stack and stops reusing each weight load over the batch
- * rows (a step then costs about M times the one-row step).
- * AVX-512 (32 registers of 16 floats): 8 x 2, measured over a step's 121 projections on an AVX-512 EPYC host:
- * it beat 4 x 4, 4 x 6, 8 x 1, 8 x 3, 12 x 2, 16 x 1 and 16 x 2 from 9 rows up and tied at 1 row.
- * Otherwise (AVX2: 16 registers of 8 floats): 8-float vectors and 6 x 2, measured over the same projections on
- * an AVX2-only EPYC host (3 interleaved passes, best of 5 each): 6 x 2 and 5 x 2 led from 4 rows up (16 rows 73-78
- * ms, 32 rows 134-141), ahead of 4 x 2, 8 x 1, 4 x 3, 3 x 3 and 2 x 4; the AVX-512 layout on that host, 16-float
- * vectors in 8 x 2, spilled and cost about M times the one-row product (2 rows 1.9x, 8 rows 6.8x). Each can be
- * overridden with -D (SLED_VBYTES, RB, MB) for such a sweep. */
+/* Vector width and the register blocking of the matrix products, per instruction set. Every weight matrix is
+ * packed once (kernels/cpu_step.py) into panels of NR = NV * VL output features, each panel K rows of NR floats
+ * (P[p][k][j] = W[p NR + j][k], the last panel padded with zeros). A block of MR batch rows by one panel keeps
+ * MR x NV accumulators in registers; each step over k loads NV weight vectors and broadcasts one input float per
+ * batch row, so no accumulator needs a horizontal sum and the weights stream from one contiguous panel.
+ * The accumulators, the NV weight vectors and one broadcast must fit in the vector registers, or the loop
+ * spills to the stack.
+ * AVX2 (16 registers of 8 floats): 6 x 2 (12 accumulators). Measured on an AVX2-only EPYC (a noisy host) against
+ * the dot-product kernel it replaced (8-float vectors over k in 6 weight rows x 2 batch rows, then a horizontal
+ * sum per output): over a step's projections alone (30 layers of 960x576, 576x576, 3072x576 and 576x1536, 2
+ * threads, 4 runs) 0.74-0.86x the time from 4 to 32 rows and 0.97-1.02x at 1 row, where 4 x 3 and 6 x 1 did
+ * worse; over the whole step of SmolLM2-135M (both kernels in one process, interleaved, medians of 4-12 rounds)
+ * 0.84-0.90x at 1 to 12 tokens, 0.91-1.02x at 16 and 0.96-1.05x at 32.
+ * AVX-512 (32 registers of 16 floats): the same 6 x 2, 32 features a panel, not measured on an AVX-512 host yet.
+ * Each can be overridden with -D (SLED_VBYTES, NV, MR) for such a sweep; the tests build several. */
 #if defined(__AVX512F__)
 #define SLED_DEFAULT_VBYTES 64
-#define SLED_DEFAULT_RB 8
-#define SLED_DEFAULT_MB 2
 #else
 #define SLED_DEFAULT_VBYTES 32
-#define SLED_DEFAULT_RB 6
-#define SLED_DEFAULT_MB 2
 #endif
 #ifndef SLED_VBYTES
 #define SLED_VBYTES SLED_DEFAULT_VBYTES
 #endif
-#ifndef RB
-#define RB SLED_DEFAULT_RB
+#ifndef NV
+#define NV 2
 #endif
-#ifndef MB
-#define MB SLED_DEFAULT_MB
+#ifndef MR
+#define MR 6
 #endif
-#if MB < 1 || MB > 4 || RB < 1
-#error "MB (batch rows per block) must be 1 to 4 and RB positive"
+#if MR < 1 || MR > 8 || NV < 1
+#error "MR (batch rows per block) must be 1 to 8 and NV positive"
 #endif
 typedef float vf __attribute__((vector_size(SLED_VBYTES)));
 typedef float vfu __attribute__((vector_size(SLED_VBYTES), aligned(4), may_alias));
 #define VL (SLED_VBYTES / 4)
+#define NR (NV * VL)
+
+/* The panel width the weights must be packed to (kernels/cpu_step.py asks). */
+int64_t sled_panel_width(void) { return NR; }
 
 static inline vf vload(const float *p) { return *(const vfu *)p; }
 
@@ -128,7 +132,8 @@ void sled_exp(float *v, int64_t n) { exp_inplace(v, n); }
 
 struct sled_layer {
     const float *ln1, *ln2;            /* [hidden] */
-    const float *wqkv, *bqkv;          /* [nq + 2 nkv, hidden] row-major (q, k, v stacked), bias or NULL */
+    /* weights packed in panels (see above) of the row-major matrices named; a bias or NULL */
+    const float *wqkv, *bqkv;          /* [nq + 2 nkv, hidden] (q, k, v stacked) */
     const float *wo, *bo;              /* [hidden, nq] */
     const float *wgu, *bgu;            /* [2 inter, hidden] (gate, up stacked) */
     const float *wd, *bd;              /* [hidden, inter] */
@@ -139,74 +144,73 @@ struct sled_model {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, max_seq;
     int64_t slot_stride, head_stride;  /* cache strides in floats: per slot, per kv head (a position is head_dim) */
     float eps, scale;
-    const float *norm, *lm_head, *lm_bias; /* final norm [hidden], logits projection [vocab, hidden] */
+    const float *norm, *lm_head, *lm_bias; /* final norm [hidden], logits projection [vocab, hidden] packed */
     const float *cos, *sin_signed;     /* [max_seq, head_dim] */
     const struct sled_layer *layers;
 };
 
-/* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k], rows n split across threads. */
-static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int mb, const float *w,
-                                                         int64_t K, float acc[MB][RB]) {
-    vf a[MB][RB];
-    for (int m = 0; m < MB; ++m)
-        for (int r = 0; r < RB; ++r) a[m][r] = (vf){0};
-    int64_t k = 0;
-    for (; k + VL <= K; k += VL) {
-        vf wv[RB];
-        for (int r = 0; r < RB; ++r) wv[r] = vload(w + r * K + k);
-        for (int m = 0; m < MB; ++m) {
+/* c = x[0:mb, :] times one panel: c[m][v] holds outputs v VL .. v VL + VL - 1 of the panel for batch row m */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int mb, const float *p,
+                                                         int64_t K, vf c[MR][NV]) {
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) c[m][v] = (vf){0};
+    for (int64_t k = 0; k < K; ++k) {
+        vf w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = vload(p + k * NR + v * VL);
+        for (int m = 0; m < MR; ++m) {
             if (m >= mb) break;
-            vf xv = vload(x + m * ldx + k);
-            for (int r = 0; r < RB; ++r) a[m][r] += wv[r] * xv;
-        }
-    }
-    for (int m = 0; m < MB; ++m) {
-        if (m >= mb) break;
-        for (int r = 0; r < RB; ++r) {
-            float s = hsum(a[m][r]);
-            for (int64_t j = k; j < K; ++j) s += w[r * K + j] * x[m * ldx + j];
-            acc[m][r] = s;
+            vf b = (vf){0} + x[m * ldx + k];
+            for (int v = 0; v < NV; ++v) c[m][v] += w[v] * b;
         }
     }
 }
 
-static void gemv(const float *x, int64_t ldx, int64_t M, const float *w, const float *b, float *y, int64_t ldy,
+/* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k] for w packed in panels (p), the panels
+ * split across threads; each thread runs its panel over every block of MR batch rows while the panel is in cache. */
+static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
-    int64_t nblocks = N / RB;
-#pragma omp for schedule(static) nowait
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
-        int64_t n = nb * RB;
-        const float *wb = w + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            int mb = (int)(M - m0 < MB ? M - m0 : MB);
-            float acc[MB][RB];
+    int64_t npanels = (N + NR - 1) / NR;
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < npanels; ++q) {
+        const float *pq = p + q * K * NR;
+        int64_t n0 = q * NR, nn = N - n0 < NR ? N - n0 : NR;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int mb = (int)(M - m0 < MR ? M - m0 : MR);
+            vf c[MR][NV];
+            const float *xm = x + m0 * ldx;
             switch (mb) {  /* a constant row count per case, so each case compiles to its own loop */
-            case 1: block(x + m0 * ldx, ldx, 1, wb, K, acc); break;
-#if MB > 2
-            case 2: block(x + m0 * ldx, ldx, 2, wb, K, acc); break;
+            case 1: block(xm, ldx, 1, pq, K, c); break;
+#if MR > 2
+            case 2: block(xm, ldx, 2, pq, K, c); break;
 #endif
-#if MB > 3
-            case 3: block(x + m0 * ldx, ldx, 3, wb, K, acc); break;
+#if MR > 3
+            case 3: block(xm, ldx, 3, pq, K, c); break;
 #endif
-            default: block(x + m0 * ldx, ldx, MB, wb, K, acc); break;
+#if MR > 4
+            case 4: block(xm, ldx, 4, pq, K, c); break;
+#endif
+#if MR > 5
+            case 5: block(xm, ldx, 5, pq, K, c); break;
+#endif
+#if MR > 6
+            case 6: block(xm, ldx, 6, pq, K, c); break;
+#endif
+#if MR > 7
+            case 7: block(xm, ldx, 7, pq, K, c); break;
+#endif
+            default: block(xm, ldx, MR, pq, K, c); break;
             }
-            for (int m = 0; m < mb; ++m)
-                for (int r = 0; r < RB; ++r) {
-                    float v = acc[m][r] + (b ? b[n + r] : 0.f);
-                    float *out = y + (m0 + m) * ldy + n + r;
-                    *out = accumulate ? *out + v : v;
+            for (int m = 0; m < mb; ++m) {
+                float out[NR];
+                __builtin_memcpy(out, c[m], sizeof out);
+                float *ym = y + (m0 + m) * ldy + n0;
+                for (int64_t j = 0; j < nn; ++j) {
+                    float v = out[j] + (b ? b[n0 + j] : 0.f);
+                    ym[j] = accumulate ? ym[j] + v : v;
                 }
+            }
         }
     }
-#pragma omp single nowait
-    for (int64_t n = nblocks * RB; n < N; ++n)
-        for (int64_t m = 0; m < M; ++m) {
-            float s = b ? b[n] : 0.f;
-            for (int64_t k = 0; k < K; ++k) s += w[n * K + k] * x[m * ldx + k];
-            float *out = y + m * ldy + n;
-            *out = accumulate ? *out + s : s;
-        }
-#pragma omp barrier
 }
 
 /* out[m] = x[m] / rms(x[m]) * weight, for the rows listed (or all M rows when rows is NULL). */

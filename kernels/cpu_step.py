@@ -54,7 +54,7 @@ def cache_dir() -> Path:
 @functools.cache  # one build and one load per process (per set of defines)
 def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Build kernels/cpu_step.c for this CPU if no cached build matches, then load it. `defines` ("NAME=VALUE"),
-    for tests and sweeps: a vector width or register blocking other than this CPU's default (SLED_VBYTES, RB, MB)."""
+    for tests and sweeps: a vector width or register blocking other than this CPU's default (SLED_VBYTES, NV, MR)."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise CpuStepUnavailable(f"no C compiler ({compiler!r} not found)")
@@ -86,7 +86,19 @@ def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sled_forward.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, ctypes.c_int]
     lib.sled_forward.restype = ctypes.c_int
+    lib.sled_panel_width.argtypes = []
+    lib.sled_panel_width.restype = i64
     return lib
+
+
+def pack_panels(w: torch.Tensor, width: int) -> torch.Tensor:
+    """A row-major [N, K] weight as the C side reads it: panels of `width` output rows, each stored k-major
+    (panel p, k, j) = w[p width + j, k], the last panel padded with zero rows. Returns [panels, K, width]."""
+    n, k = w.shape
+    panels = -(-n // width)
+    if panels * width != n:
+        w = torch.cat([w, w.new_zeros(panels * width - n, k)])
+    return w.reshape(panels, width, k).transpose(1, 2).contiguous()
 
 
 class _Layer(ctypes.Structure):
@@ -106,8 +118,9 @@ class _Model(ctypes.Structure):
 class CpuStep:
     """A Llama-family target's forward in one call per batch of tokens, over the runner's weights and KV pool.
 
-    Holds its own stacked copies of q/k/v and gate/up (one matrix each); every other weight, the cache and the
-    RoPE tables are read in place. Float32 on CPU only."""
+    Holds its own copies of the projection matrices (q/k/v and gate/up stacked, one matrix each; o, down and
+    the logits projection), packed in the panels the C side's matrix products read; the norms, the cache and
+    the RoPE tables are read in place. Float32 on CPU only."""
 
     def __init__(self, *, layers: Sequence[dict[str, torch.Tensor | None]], norm: torch.Tensor,
                  lm_head: torch.Tensor, lm_bias: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,6 +137,7 @@ class CpuStep:
         num_layers, num_slots, _, max_seq, _ = k_cache.shape
         hidden = norm.shape[0]
         self.keep: list[torch.Tensor] = []  # everything the C side points into
+        width = int(self.lib.sled_panel_width())
 
         def own(t: torch.Tensor | None) -> int | None:
             if t is None:
@@ -134,25 +148,30 @@ class CpuStep:
             self.keep.append(t)
             return t.data_ptr()
 
+        def packed(w: torch.Tensor) -> int:
+            if w.dtype != torch.float32 or w.device.type != "cpu":
+                raise CpuStepUnavailable("the fused CPU step runs float32 models on CPU only")
+            return own(pack_panels(w.detach(), width))
+
         def stack(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None]) -> tuple[int, int | None]:
             w = torch.cat([x.detach() for x in ws]) if len(ws) > 1 else ws[0]
             b = None
             if any(x is not None for x in bs):
                 b = torch.cat([x.detach() if x is not None else y.new_zeros(y.shape[0]) for x, y in zip(bs, ws)])
-            return own(w), own(b)
+            return packed(w), own(b)
 
         inter = layers[0]["gate"].shape[0]
         self.layers = (_Layer * num_layers)()
         for i, lw in enumerate(layers):
             wqkv, bqkv = stack([lw["q"], lw["k"], lw["v"]], [lw["bq"], lw["bk"], lw["bv"]])
             wgu, bgu = stack([lw["gate"], lw["up"]], [lw["bgate"], lw["bup"]])
-            self.layers[i] = _Layer(own(lw["ln1"]), own(lw["ln2"]), wqkv, bqkv, own(lw["o"]), own(lw["bo"]),
-                                    wgu, bgu, own(lw["down"]), own(lw["bdown"]),
+            self.layers[i] = _Layer(own(lw["ln1"]), own(lw["ln2"]), wqkv, bqkv, packed(lw["o"]), own(lw["bo"]),
+                                    wgu, bgu, packed(lw["down"]), own(lw["bdown"]),
                                     k_cache[i].data_ptr(), v_cache[i].data_ptr())
         self.k_cache, self.v_cache = k_cache, v_cache
         self.model = _Model(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, lm_head.shape[0], max_seq,
                             num_kv_heads * max_seq * head_dim, max_seq * head_dim, eps, scale,
-                            own(norm), own(lm_head), own(lm_bias), own(cos), own(sin_signed), self.layers)
+                            own(norm), packed(lm_head), own(lm_bias), own(cos), own(sin_signed), self.layers)
         self.num_slots = num_slots
         self.vocab = lm_head.shape[0]
         self.hidden, self.inter, self.max_seq = hidden, inter, max_seq

@@ -72,12 +72,14 @@ SHAPES = {
 
 
 # The kernel's vector width and register blocking depend on the CPU it is built for (AVX-512 or not); every
-# layout is built here with -D, so each is checked on any host that can run it.
+# layout is built here with -D, so each is checked on any host that can run it. Named vector floats x vectors
+# per panel x batch rows per block; every shape below has a projection whose width is not a multiple of the
+# panel (a padded last panel), and the steps have row counts that leave rows over from a block.
 LAYOUTS = {
     "native": (),
-    "avx2-8x6x2": ("SLED_VBYTES=32", "RB=6", "MB=2"),
-    "avx512-16x8x2": ("SLED_VBYTES=64", "RB=8", "MB=2"),
-    "odd-8x5x3": ("SLED_VBYTES=32", "RB=5", "MB=3"),  # batch rows left over from every block
+    "avx2-8x2x6": ("SLED_VBYTES=32", "NV=2", "MR=6"),
+    "avx512-16x2x6": ("SLED_VBYTES=64", "NV=2", "MR=6"),
+    "odd-8x3x7": ("SLED_VBYTES=32", "NV=3", "MR=7"),  # 24-wide panels, 7-row blocks
 }
 
 
