@@ -316,6 +316,89 @@ def share(row: dict) -> str:
     return "none" if value is None else f"{value:.0%}"
 
 
+def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], list[dict], list[dict]]:
+    """Per configuration (devices, mode), the run with the median system tok/s (the lower middle of an even
+    count), with every repeat's tok/s in repeat order and, for every mode but server-only, SLED / server-only of
+    each repeat (paired by repeat number). Returns the main rows (server-only, and adaptive as `sled`), the
+    adaptive and fixed-K rows, and the waiting (no-ahead) rows, each in the order of `runs`."""
+    for done in runs.values():
+        done.sort(key=lambda r: r["repeat"])
+    rows, adaptive_rows, waiting_rows = [], [], []
+    for (n, mode), done in runs.items():
+        row = dict(sorted(done, key=lambda r: r["system_tokens_per_s"])[(len(done) - 1) // 2])
+        row["repeats_system_tokens_per_s"] = [r["system_tokens_per_s"] for r in done]
+        if mode != "server-only":
+            base = [r["system_tokens_per_s"] for r in runs[(n, "server-only")]]
+            row["repeats_ratio_to_server_only"] = [ratio(r["system_tokens_per_s"], b) for r, b in zip(done, base)]
+        if mode == "server-only":
+            rows.append(row)
+        elif mode == "no-ahead":
+            waiting_rows.append(row)
+        else:
+            adaptive_rows.append(row)
+            if mode == "adaptive":
+                rows.append(row)
+    return rows, adaptive_rows, waiting_rows
+
+
+def tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict], waiting_rows: list[dict],
+           slo_ms: float) -> dict:
+    """The section's tables and verdicts from the reported rows: `main` (a row per count and mode, with SLED /
+    server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
+    `capacity` per mode (the largest count whose p95 inter-token latency is within slo_ms, else 0), `verdicts`
+    (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices) and `by`
+    (the rows by (mode, devices))."""
+    sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
+    by = {(r["mode"], r["devices"]): r for r in rows}
+
+    lines = ["| devices | mode | system tok/s | per-device tok/s | ITL p50 ms | ITL p95 ms | acceptance | "
+             "server step ms | batch | server busy | SLED / server-only | per repeat |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in counts:
+        for mode in ("sled", "server-only", "device-only"):
+            r = by[(mode, n)]
+            vs = (f"{ratio(r['system_tokens_per_s'], by[('server-only', n)]['system_tokens_per_s']):.2f}x"
+                  if mode == "sled" else "")
+            per = (", ".join(f"{x:.2f}x" for x in r["repeats_ratio_to_server_only"]) if mode == "sled" else "")
+            lines.append(f"| {n} | {mode} | {r['system_tokens_per_s']:.1f} | {r['per_device_tokens_per_s']:.1f} | "
+                         f"{r['p50_inter_token_ms']:.1f} | {r['p95_inter_token_ms']:.1f} | {r['acceptance_rate']:.2f} | "
+                         f"{r['server_step_ms']:.1f} | {r['server_batch_sessions']:.1f} | {r['server_busy_share']:.0%} | "
+                         f"{vs} | {per} |")
+    capacity = {}
+    for mode in ("sled", "server-only", "device-only"):
+        ok = [n for n in counts if by[(mode, n)]["p95_inter_token_ms"] <= slo_ms]
+        capacity[mode] = max(ok) if ok else 0
+    alines = ["| devices | K | system tok/s | mean K | acceptance | ITL p95 ms | tok/s per repeat |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in adaptive_rows:
+        alines.append(f"| {r['devices']} | {r['k']} | {r['system_tokens_per_s']:.1f} | {r['mean_draft_tokens']:.2f} | "
+                      f"{r['acceptance_rate']:.2f} | {r['p95_inter_token_ms']:.1f} | "
+                      + ", ".join(f"{x:.1f}" for x in r["repeats_system_tokens_per_s"]) + " |")
+    verdicts = []
+    for n in counts:
+        fixed = [r for r in adaptive_rows if r["devices"] == n and r["k"] != "adaptive"]
+        best = max(fixed, key=lambda r: r["system_tokens_per_s"])
+        ad = next(r for r in adaptive_rows if r["devices"] == n and r["k"] == "adaptive")
+        verdicts.append(f"{n} devices: adaptive {ad['system_tokens_per_s']:.1f} tok/s vs best fixed K={best['k']} "
+                        f"{best['system_tokens_per_s']:.1f} ({ratio(ad['system_tokens_per_s'], best['system_tokens_per_s']):.2f}x)")
+    wlines = ["| devices | drafting ahead tok/s | waiting tok/s | ratio | drafted tokens made ahead | "
+              "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|"]
+    for w in waiting_rows:
+        a = by[("sled", w["devices"])]
+        per = [ratio(x, y) for x, y in zip(a["repeats_system_tokens_per_s"], w["repeats_system_tokens_per_s"])]
+        wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
+                      f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
+                      + ", ".join(f"{x:.2f}x" for x in per) + " |")
+    overhead = ""
+    if sixteen:
+        s = sixteen[0]
+        overhead = (f"- non-model time per step at 16 sessions (scheduling, sampling, commit; step − forward): "
+                    f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
+                    f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
+    return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
+            "overhead": overhead}
+
+
 def main() -> int:
     from tqdm import tqdm
 
@@ -400,7 +483,6 @@ def main() -> int:
     if args.tokenizer:
         extra += ["--tokenizer", args.tokenizer]
 
-    rows, adaptive_rows, waiting_rows = [], [], []
     tokenizer = device_tokenizer(args.tokenizer)
     ids = prompts(tokenizer, args.recordings)
     alone_ms = []
@@ -475,21 +557,7 @@ def main() -> int:
             row["repeat"] = rep
             if rep >= 0:  # the warm-up pass is not counted
                 runs[(n, mode)].append(row)
-        for (n, mode), done in runs.items():
-            done.sort(key=lambda r: r["repeat"])
-            row = dict(sorted(done, key=lambda r: r["system_tokens_per_s"])[(len(done) - 1) // 2])
-            row["repeats_system_tokens_per_s"] = [r["system_tokens_per_s"] for r in done]
-            if mode != "server-only":
-                base = [r["system_tokens_per_s"] for r in runs[(n, "server-only")]]
-                row["repeats_ratio_to_server_only"] = [ratio(r["system_tokens_per_s"], b) for r, b in zip(done, base)]
-            if mode == "server-only":
-                rows.append(row)
-            elif mode == "no-ahead":
-                waiting_rows.append(row)
-            else:
-                adaptive_rows.append(row)
-                if mode == "adaptive":
-                    rows.append(row)
+        rows, adaptive_rows, waiting_rows = pick_medians(runs)
         for n in counts:
             rows.append({"mode": "device-only", "devices": n, "system_tokens_per_s": n / device_spt,
                          "per_device_tokens_per_s": 1 / device_spt, "p50_inter_token_ms": device_spt * 1000,
@@ -500,53 +568,9 @@ def main() -> int:
     finally:
         server.stop()
 
-    sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
-    by = {(r["mode"], r["devices"]): r for r in rows}
-
-    lines = ["| devices | mode | system tok/s | per-device tok/s | ITL p50 ms | ITL p95 ms | acceptance | "
-             "server step ms | batch | server busy | SLED / server-only | per repeat |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for n in counts:
-        for mode in ("sled", "server-only", "device-only"):
-            r = by[(mode, n)]
-            vs = (f"{ratio(r['system_tokens_per_s'], by[('server-only', n)]['system_tokens_per_s']):.2f}x"
-                  if mode == "sled" else "")
-            per = (", ".join(f"{x:.2f}x" for x in r["repeats_ratio_to_server_only"]) if mode == "sled" else "")
-            lines.append(f"| {n} | {mode} | {r['system_tokens_per_s']:.1f} | {r['per_device_tokens_per_s']:.1f} | "
-                         f"{r['p50_inter_token_ms']:.1f} | {r['p95_inter_token_ms']:.1f} | {r['acceptance_rate']:.2f} | "
-                         f"{r['server_step_ms']:.1f} | {r['server_batch_sessions']:.1f} | {r['server_busy_share']:.0%} | "
-                         f"{vs} | {per} |")
-    capacity = {}
-    for mode in ("sled", "server-only", "device-only"):
-        ok = [n for n in counts if by[(mode, n)]["p95_inter_token_ms"] <= args.slo_ms]
-        capacity[mode] = max(ok) if ok else 0
-    alines = ["| devices | K | system tok/s | mean K | acceptance | ITL p95 ms | tok/s per repeat |",
-              "|---:|---|---:|---:|---:|---:|---:|"]
-    for r in adaptive_rows:
-        alines.append(f"| {r['devices']} | {r['k']} | {r['system_tokens_per_s']:.1f} | {r['mean_draft_tokens']:.2f} | "
-                      f"{r['acceptance_rate']:.2f} | {r['p95_inter_token_ms']:.1f} | "
-                      + ", ".join(f"{x:.1f}" for x in r["repeats_system_tokens_per_s"]) + " |")
-    verdicts = []
-    for n in counts:
-        fixed = [r for r in adaptive_rows if r["devices"] == n and r["k"] != "adaptive"]
-        best = max(fixed, key=lambda r: r["system_tokens_per_s"])
-        ad = next(r for r in adaptive_rows if r["devices"] == n and r["k"] == "adaptive")
-        verdicts.append(f"{n} devices: adaptive {ad['system_tokens_per_s']:.1f} tok/s vs best fixed K={best['k']} "
-                        f"{best['system_tokens_per_s']:.1f} ({ratio(ad['system_tokens_per_s'], best['system_tokens_per_s']):.2f}x)")
-    wlines = ["| devices | drafting ahead tok/s | waiting tok/s | ratio | drafted tokens made ahead | "
-              "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|"]
-    for w in waiting_rows:
-        a = by[("sled", w["devices"])]
-        per = [ratio(x, y) for x, y in zip(a["repeats_system_tokens_per_s"], w["repeats_system_tokens_per_s"])]
-        wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
-                      f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
-                      + ", ".join(f"{x:.2f}x" for x in per) + " |")
-    overhead = ""
-    if sixteen:
-        s = sixteen[0]
-        overhead = (f"- non-model time per step at 16 sessions (scheduling, sampling, commit; step − forward): "
-                    f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
-                    f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
+    t = tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
+    by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
+    capacity, verdicts, overhead = t["capacity"], t["verdicts"], t["overhead"]
     gpu = gpu_name()
     # A GPU run has its own section, so that it does not replace this machine's CPU figures.
     heading = ("## GPU system benchmark" if gpu else "## System benchmark") + (f", {args.label}" if args.label else "")

@@ -1,0 +1,74 @@
+"""What scripts/bench_system.py reports from its runs: the median run per configuration, SLED / server-only per
+repeat, capacity under the latency objective, and adaptive vs the best fixed K, on synthetic runs whose answers
+are known."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench_system import pick_medians, tables
+
+
+def run(mode, n, rep, tok_s, p95=50.0, k=None, **extra):
+    row = {"mode": mode, "devices": n, "repeat": rep, "system_tokens_per_s": tok_s,
+           "per_device_tokens_per_s": tok_s / n, "p50_inter_token_ms": p95 / 2, "p95_inter_token_ms": p95,
+           "acceptance_rate": 0.8, "mean_draft_tokens": 4.0, "drafted_ahead_share": 0.5, "server_step_ms": 40.0,
+           "server_forward_ms": 38.0, "server_batch_sessions": float(n), "server_busy_share": 0.9}
+    if k is not None:
+        row["k"] = k
+    row.update(extra)
+    return row
+
+
+def device_only(n, tok_s_each=60.0):
+    return {"mode": "device-only", "devices": n, "system_tokens_per_s": n * tok_s_each,
+            "per_device_tokens_per_s": tok_s_each, "p50_inter_token_ms": 16.7, "p95_inter_token_ms": 16.7,
+            "acceptance_rate": 0.0, "mean_draft_tokens": 0.0, "server_step_ms": 0.0, "server_forward_ms": 0.0,
+            "server_batch_sessions": 0.0, "server_busy_share": 0.0}
+
+
+def synthetic_runs():
+    """Two device counts, three repeats each, stored out of repeat order (as a reversed pass finishes)."""
+    runs = {}
+    for n, base, p95_sled, p95_server in ((4, 100.0, 40.0, 90.0), (16, 200.0, 120.0, 200.0)):
+        runs[(n, "server-only")] = [run("server-only", n, r, base + d, p95_server) for r, d in ((2, 5), (0, 0), (1, -10))]
+        for mode, scale in (("2", 1.2), ("4", 1.6), ("8", 1.4), ("adaptive", 1.5), ("no-ahead", 1.1)):
+            name = {"adaptive": "sled", "no-ahead": "sled-no-ahead"}.get(mode, f"sled-k{mode}")
+            runs[(n, mode)] = [run(name, n, r, (base + d) * scale, p95_sled, k=mode)
+                               for r, d in ((1, -10), (2, 5), (0, 0))]
+    return runs
+
+
+def test_median_run_and_per_repeat_ratios_paired_by_repeat():
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    assert [(r["mode"], r["devices"]) for r in rows] == [("server-only", 4), ("sled", 4), ("server-only", 16),
+                                                         ("sled", 16)]
+    server4, sled4 = rows[0], rows[1]
+    assert server4["system_tokens_per_s"] == 100.0 and server4["repeat"] == 0  # the middle of 90, 100, 105
+    assert server4["repeats_system_tokens_per_s"] == [100.0, 90.0, 105.0]  # repeat order
+    assert sled4["system_tokens_per_s"] == pytest.approx(150.0)
+    # each repeat against server-only's same repeat: 1.5x every time, whatever order the runs were stored in
+    assert sled4["repeats_ratio_to_server_only"] == pytest.approx([1.5, 1.5, 1.5])
+    assert [r["k"] for r in adaptive_rows if r["devices"] == 4] == ["2", "4", "8", "adaptive"]
+    assert [(r["mode"], r["devices"]) for r in waiting_rows] == [("sled-no-ahead", 4), ("sled-no-ahead", 16)]
+
+
+def test_tables_give_ratio_capacity_and_the_adaptive_verdict():
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    rows += [device_only(4), device_only(16)]
+    t = tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)
+    sled16 = next(line for line in t["main"] if line.startswith("| 16 | sled |"))
+    assert "| 300.0 |" in sled16 and "| 1.50x |" in sled16
+    # p95: sled 40 and 120 ms, server-only 90 and 200 ms, device-only 16.7 ms, against 150 ms
+    assert t["capacity"] == {"sled": 16, "server-only": 4, "device-only": 16}
+    assert t["verdicts"][0] == "4 devices: adaptive 150.0 tok/s vs best fixed K=4 160.0 (0.94x)"
+    ahead4 = next(line for line in t["ahead"] if line.startswith("| 4 |"))
+    assert "| 150.0 | 110.0 | 1.36x | 50% |" in ahead4
+    assert "2.0 of 40.0 ms (5.0%)" in t["overhead"]  # step 40 ms, forward 38 ms, at 16 devices
+
+
+def test_no_count_within_the_objective_gives_capacity_zero():
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    rows += [device_only(4), device_only(16)]
+    t = tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=10.0)
+    assert t["capacity"] == {"sled": 0, "server-only": 0, "device-only": 0}
