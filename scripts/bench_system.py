@@ -341,7 +341,7 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
     return rows, adaptive_rows, waiting_rows
 
 
-def tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict], waiting_rows: list[dict],
+def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict], waiting_rows: list[dict],
            slo_ms: float) -> dict:
     """The section's tables and verdicts from the reported rows: `main` (a row per count and mode, with SLED /
     server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
@@ -568,7 +568,7 @@ def main() -> int:
     finally:
         server.stop()
 
-    t = tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
+    t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
     capacity, verdicts, overhead = t["capacity"], t["verdicts"], t["overhead"]
     gpu = gpu_name()

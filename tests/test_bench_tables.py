@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_system import pick_medians, tables
+from scripts.bench_system import pick_medians, report_tables
 
 
 def run(mode, n, rep, tok_s, p95=50.0, k=None, **extra):
@@ -56,7 +56,7 @@ def test_median_run_and_per_repeat_ratios_paired_by_repeat():
 def test_tables_give_ratio_capacity_and_the_adaptive_verdict():
     rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
     rows += [device_only(4), device_only(16)]
-    t = tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)
+    t = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)
     sled16 = next(line for line in t["main"] if line.startswith("| 16 | sled |"))
     assert "| 300.0 |" in sled16 and "| 1.50x |" in sled16
     # p95: sled 40 and 120 ms, server-only 90 and 200 ms, device-only 16.7 ms, against 150 ms
@@ -70,5 +70,5 @@ def test_tables_give_ratio_capacity_and_the_adaptive_verdict():
 def test_no_count_within_the_objective_gives_capacity_zero():
     rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
     rows += [device_only(4), device_only(16)]
-    t = tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=10.0)
+    t = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=10.0)
     assert t["capacity"] == {"sled": 0, "server-only": 0, "device-only": 0}

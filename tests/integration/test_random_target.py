@@ -212,3 +212,38 @@ def test_match_rate_counts_each_drafted_token_after_a_right_prefix():
     # seen: position 0 three times (3, 7, 6), position 1 once (4; the 8 is past the end of full), position 2 once (9)
     assert overall == pytest.approx(3 / 5)
     assert by_position[:3] == pytest.approx([2 / 3, 1 / 1, 0 / 1])
+
+
+def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
+    """The whole script on a tiny random target, one device count, one repeat: it starts its own server, runs
+    every mode, and writes the JSON rows (the keys the issue names), the markdown section and the plots. Its
+    reporting functions are tested on known rows in tests/test_bench_tables.py; this holds main() together."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_system.py"
+    md, rows_path, plots = tmp_path / "bench.md", tmp_path / "rows.json", tmp_path / "plots"
+    md.write_text("# Benchmarks\n\n## Engine speed: kept\n\nother section\n")
+    done = subprocess.run([sys.executable, str(script), "--target", "random:llama-tiny", "--draft-match", "0.9",
+                           "--device-ms-per-token", "10", "--devices", "1", "--seconds", "1.5", "--warmup-s", "0.3",
+                           "--repeats", "1", "--recordings", "2", "--max-tokens", "16", "--markdown", str(md),
+                           "--json", str(rows_path), "--out-dir", str(plots)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(rows_path.read_text())
+    modes = {r["mode"] for r in rows}
+    assert {"sled", "server-only", "device-only", "sled-k2", "sled-k4", "sled-k8", "sled-no-ahead"} <= modes
+    for r in rows:
+        for key in ("mode", "devices", "system_tokens_per_s", "per_device_tokens_per_s", "p50_inter_token_ms",
+                    "p95_inter_token_ms", "acceptance_rate"):
+            assert key in r, (r["mode"], key)
+    sled = next(r for r in rows if r["mode"] == "sled")
+    assert sled["devices"] == 1 and sled["system_tokens_per_s"] > 0 and 0 < sled["acceptance_rate"] <= 1
+    text = md.read_text()
+    assert "## Engine speed: kept\n\nother section" in text  # another script's section is left as it was
+    assert "## System benchmark: SLED vs server-only vs device-only" in text
+    assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
+    assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
+    assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
+                                                       "bench_system_system_tokens_per_s.png"]
