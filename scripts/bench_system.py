@@ -342,7 +342,7 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
 
 
 def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict], waiting_rows: list[dict],
-           slo_ms: float) -> dict:
+                  slo_ms: float) -> dict:
     """The section's tables and verdicts from the reported rows: `main` (a row per count and mode, with SLED /
     server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
     `capacity` per mode (the largest count whose p95 inter-token latency is within slo_ms, else 0), `verdicts`
