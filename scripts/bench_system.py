@@ -346,8 +346,9 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
     """The section's tables and verdicts from the reported rows: `main` (a row per count and mode, with SLED /
     server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
     `capacity` per mode (the largest count whose p95 inter-token latency is within slo_ms, else 0), `verdicts`
-    (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices) and `by`
-    (the rows by (mode, devices))."""
+    (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices), `bound`
+    (device-only / server-only per count, the most SLED / server-only can be) and `by` (the rows by (mode,
+    devices))."""
     sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
     by = {(r["mode"], r["devices"]): r for r in rows}
 
@@ -389,6 +390,13 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
                       f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
                       + ", ".join(f"{x:.2f}x" for x in per) + " |")
+    # Every committed token (accepted drafts, the bonus, a correction) goes through the device's drafter once, so a
+    # device commits at most its drafter's rate: device-only bounds SLED, whatever the server does.
+    ceilings = [ratio(by[("device-only", n)]["system_tokens_per_s"], by[("server-only", n)]["system_tokens_per_s"])
+                for n in counts]
+    bound = ("- the most SLED can reach: a device commits at most its drafter's rate (every committed token goes "
+             "through the drafter once), so SLED / server-only ≤ device-only / server-only: "
+             + ", ".join(f"{n} devices {c:.2f}x" for n, c in zip(counts, ceilings)) + "\n")
     overhead = ""
     if sixteen:
         s = sixteen[0]
@@ -396,7 +404,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
     return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
-            "overhead": overhead}
+            "overhead": overhead, "bound": bound}
 
 
 def main() -> int:
@@ -570,7 +578,7 @@ def main() -> int:
 
     t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
-    capacity, verdicts, overhead = t["capacity"], t["verdicts"], t["overhead"]
+    capacity, verdicts, overhead, bound = t["capacity"], t["verdicts"], t["overhead"], t["bound"]
     gpu = gpu_name()
     # A GPU run has its own section, so that it does not replace this machine's CPU figures.
     heading = ("## GPU system benchmark" if gpu else "## System benchmark") + (f", {args.label}" if args.label else "")
@@ -610,7 +618,7 @@ def main() -> int:
         + ("- a warm-up pass ran every configuration once before the counted ones\n" if args.warmup_pass else "")
         + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass\n\n"
-        + "\n".join(lines) + "\n\n"
+        + "\n".join(lines) + "\n\n" + bound + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "
         "processes sharing the cores: see the engine speed section (`scripts/bench_engine.py`)\n\n"
