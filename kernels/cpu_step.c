@@ -3,7 +3,7 @@
  * At batch 1 a decode step streams every weight once; what a step costs beyond that stream
  * is per-op overhead: through PyTorch a step is about 25 ops per layer, each a dispatch, and
  * 121 matmul calls of about 11 us fixed cost each (measured, docs/benchmarks.md). Here one
- * OpenMP parallel region runs every layer: matrix-vector products split by output rows
+ * OpenMP parallel region runs every layer: matrix products split by panels of output rows
  * across threads, everything else (norms, RoPE, KV writes, attention, SiLU) between
  * barriers. Built at first use by kernels/cpu_step.py with the system C compiler for this
  * CPU (-march=native); PyTorch's path stays the reference and the fallback.

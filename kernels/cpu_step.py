@@ -148,9 +148,7 @@ class CpuStep:
             self.keep.append(t)
             return t.data_ptr()
 
-        def packed(w: torch.Tensor) -> int:
-            if w.dtype != torch.float32 or w.device.type != "cpu":
-                raise CpuStepUnavailable("the fused CPU step runs float32 models on CPU only")
+        def packed(w: torch.Tensor) -> int:  # own() checks the copy, which keeps w's dtype and device
             return own(pack_panels(w.detach(), width))
 
         def stack(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None]) -> tuple[int, int | None]:
