@@ -61,7 +61,8 @@ def test_tables_give_ratio_capacity_and_the_adaptive_verdict():
     assert "| 300.0 |" in sled16 and "| 1.50x |" in sled16
     # p95: sled 40 and 120 ms, server-only 90 and 200 ms, device-only 16.7 ms, against 150 ms
     assert t["capacity"] == {"sled": 16, "server-only": 4, "device-only": 16}
-    assert t["verdicts"][0] == "4 devices: adaptive 150.0 tok/s vs best fixed K=4 160.0 (0.94x)"
+    assert t["verdicts"][0] == ("4 devices: adaptive 150.0 tok/s vs best fixed K=4 160.0 (0.94x); "
+                                "pass by pass 0.94x, 0.94x, 0.94x, median 0.94x")
     ahead4 = next(line for line in t["ahead"] if line.startswith("| 4 |"))
     assert "| 150.0 | 110.0 | 1.36x | 50% |" in ahead4
     assert "2.0 of 40.0 ms (5.0%)" in t["overhead"]  # step 40 ms, forward 38 ms, at 16 devices
@@ -74,3 +75,21 @@ def test_no_count_within_the_objective_gives_capacity_zero():
     rows += [device_only(4), device_only(16)]
     t = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=10.0)
     assert t["capacity"] == {"sled": 0, "server-only": 0, "device-only": 0}
+
+
+def test_adaptive_verdict_pairs_each_pass_with_the_best_fixed_k_of_that_pass():
+    """Passes that drift: the median runs fall on different passes (adaptive's on pass 1, K=4's on pass 2), so
+    their ratio (1.00x) differs from the pass-by-pass one, which pairs runs of the same pass whatever order they
+    were stored in."""
+    by_pass = {"server-only": [100.0, 60.0, 100.0], "2": [100.0, 60.0, 100.0], "4": [160.0, 100.0, 150.0],
+               "8": [120.0, 80.0, 120.0], "adaptive": [150.0, 90.0, 160.0], "no-ahead": [100.0, 60.0, 100.0]}
+    runs = {}
+    for mode, values in by_pass.items():
+        name = {"server-only": "server-only", "adaptive": "sled", "no-ahead": "sled-no-ahead"}.get(mode, f"sled-k{mode}")
+        extra = {} if mode == "server-only" else {"k": mode}
+        runs[(4, mode)] = [run(name, 4, rep, values[rep], **extra) for rep in (2, 0, 1)]
+    rows, adaptive_rows, waiting_rows = pick_medians(runs)
+    t = report_tables([4], rows + [device_only(4)], adaptive_rows, waiting_rows, slo_ms=150.0)
+    # best fixed K by its median run: K=4 (150) over K=8 (120) and K=2 (100); per pass 150/160, 90/100, 160/150
+    assert t["verdicts"] == ["4 devices: adaptive 150.0 tok/s vs best fixed K=4 150.0 (1.00x); "
+                             "pass by pass 0.94x, 0.90x, 1.07x, median 0.94x"]
