@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +146,14 @@ def publish(markdown: str | Path, marker: str, section: str, json_path: str | No
     print(f"[bench] wrote {markdown}" + (f" and {json_path}" if json_path else ""))
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`kill`, a job stopped by its runner) raises SystemExit in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so that `finally` blocks and `with` exits run: a killed benchmark stops the server it
+    started instead of leaving it on the cores. A handler the program set itself is kept."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 class ServerProcess:
     """`with ServerProcess("--max-sessions", "8") as address:` a real sled-server on a free loopback port."""
 
@@ -159,6 +169,7 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> str:
+        exit_on_sigterm()
         print(f"[bench] starting sled-server on port {self.port} (log {self.log})", flush=True)
         with open(self.log, "w") as out:
             # The installed entry point, or the module where SLED runs from a checkout (a GPU node without the venv).
