@@ -394,13 +394,17 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
                       f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
                       + ", ".join(f"{x:.2f}x" for x in per) + " |")
-    # Every committed token (accepted drafts, the bonus, a correction) goes through the device's drafter once, so a
-    # device commits at most its drafter's rate: device-only bounds SLED, whatever the server does.
+    # A round commits its accepted drafted tokens and one more (a correction at the position of a drafted token the
+    # server rejected, or the bonus after a wholly accepted draft): at most its drafted tokens + 1. A device drafts
+    # one token at a time at its drafter's rate, so it commits at most that rate × (1 + 1 / K), K its drafts' mean
+    # length, whatever the server does (tokens drafted ahead and thrown away only take more of the drafter's time).
     ceilings = [ratio(by[("device-only", n)]["system_tokens_per_s"], by[("server-only", n)]["system_tokens_per_s"])
-                for n in counts]
-    bound = ("- the most SLED can reach: a device commits at most its drafter's rate (every committed token goes "
-             "through the drafter once), so SLED / server-only ≤ device-only / server-only: "
-             + ", ".join(f"{n} devices {c:.2f}x" for n, c in zip(counts, ceilings)) + "\n")
+                * (1 + ratio(1, by[("sled", n)]["mean_draft_tokens"])) for n in counts]
+    bound = ("- the most SLED can reach from the devices' side: a round commits at most its drafted tokens + 1, so a "
+             "device commits at most its drafter's rate × (1 + 1/K) at mean draft length K, and SLED / server-only ≤ "
+             "device-only / server-only × (1 + 1/K), at the sled rows' K: "
+             + ", ".join(f"{n} devices {c:.2f}x (K {by[('sled', n)]['mean_draft_tokens']:.2f})"
+                         for n, c in zip(counts, ceilings)) + "\n")
     overhead = ""
     if sixteen:
         s = sixteen[0]

@@ -66,8 +66,9 @@ def test_tables_give_ratio_capacity_and_the_adaptive_verdict():
     ahead4 = next(line for line in t["ahead"] if line.startswith("| 4 |"))
     assert "| 150.0 | 110.0 | 1.36x | 50% |" in ahead4
     assert "2.0 of 40.0 ms (5.0%)" in t["overhead"]  # step 40 ms, forward 38 ms, at 16 devices
-    # device-only 4 x 60 and 16 x 60 tok/s against server-only's 100 and 200
-    assert t["bound"].endswith("4 devices 2.40x, 16 devices 4.80x\n")
+    # device-only 4 x 60 and 16 x 60 tok/s against server-only's 100 and 200, times 1 + 1/4 (drafts of 4 tokens:
+    # 4 drafted tokens commit at most 5)
+    assert t["bound"].endswith("4 devices 3.00x (K 4.00), 16 devices 6.00x (K 4.00)\n")
 
 
 def test_no_count_within_the_objective_gives_capacity_zero():

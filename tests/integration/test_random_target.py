@@ -245,6 +245,7 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert "## System benchmark: SLED vs server-only vs device-only" in text
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
-    assert "SLED / server-only ≤ device-only / server-only: 1 devices " in text
+    assert "SLED / server-only ≤ device-only / server-only × (1 + 1/K), at the sled rows' K: 1 devices " in text
+    assert "- 1 devices: adaptive " in text and ", median " in text  # the pass-by-pass verdict
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
                                                        "bench_system_system_tokens_per_s.png"]
