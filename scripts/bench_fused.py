@@ -81,7 +81,8 @@ def main() -> int:
         "`--server-arg=--fused=off`, then `on`, one after the other; each row is that run's median, as in the "
         "system benchmark)\n\n" + "\n".join(lines) + "\n\n"
         "A round commits at most its drafted tokens + 1, so SLED cannot pass its devices' own drafting rate "
-        "(device-only) × (1 + 1/K) at mean draft length K; that over server-only bounds the margin:\n\n" + "\n".join(notes) + "\n"
+        "(device-only) × (1 + 1/K) at mean draft length K; that over server-only bounds the margin:\n\n"
+        + "\n".join(notes) + "\n"
     )
     publish(args.markdown, MARKER, section, args.json, rows)
     return 0

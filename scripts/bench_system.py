@@ -384,8 +384,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         # can drift by a third between passes, which the median runs above may fall on differently.
         per = [ratio(a, b) for a, b in zip(ad["repeats_system_tokens_per_s"], best["repeats_system_tokens_per_s"])]
         verdicts.append(f"{n} devices: adaptive {ad['system_tokens_per_s']:.1f} tok/s vs best fixed K={best['k']} "
-                        f"{best['system_tokens_per_s']:.1f} ({ratio(ad['system_tokens_per_s'], best['system_tokens_per_s']):.2f}x); "
-                        f"pass by pass {', '.join(f'{x:.2f}x' for x in per)}, median {float(np.median(per)):.2f}x")
+                        f"{best['system_tokens_per_s']:.1f} "
+                        f"({ratio(ad['system_tokens_per_s'], best['system_tokens_per_s']):.2f}x); pass by pass {', '.join(f'{x:.2f}x' for x in per)}, median {float(np.median(per)):.2f}x")
     wlines = ["| devices | drafting ahead tok/s | waiting tok/s | ratio | drafted tokens made ahead | "
               "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|"]
     for w in waiting_rows:
