@@ -449,8 +449,9 @@ def main() -> int:
                                     "(e.g. 'devices drafting at 3 ms/token')")
     ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG=VALUE",
                     help="extra sled-server flag, e.g. --server-arg=--dtype=bfloat16 (repeatable)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="runs of every configuration, in alternating order; the median is reported (default 3)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="runs of every configuration, in alternating order; the median is reported (default 5: on a "
+                         "shared 2-core host one pass can run a third slower than the next)")
     ap.add_argument("--warmup-pass", action="store_true",
                     help="run every configuration once before the counted repeats, uncounted: a GPU server's first "
                          "steps of each new shape are slow (allocations, kernel choice) and would fall on the first pass")
