@@ -25,11 +25,11 @@ finally:
 
 def killed(tmp_path: Path, install: bool) -> tuple[int, bool]:
     marker = tmp_path / f"marker-{install}"
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(root=str(ROOT), install=install, marker=str(marker))],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=30), marker.exists()
+    with subprocess.Popen([sys.executable, "-c", SCRIPT.format(root=str(ROOT), install=install, marker=str(marker))],
+                          stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=30), marker.exists()
 
 
 def test_sigterm_runs_finally_blocks_with_the_handler_and_not_without(tmp_path):
