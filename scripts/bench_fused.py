@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench_system import ratio  # noqa: E402
+from scripts.bench_system import drafting_bound, ratio  # noqa: E402
 from scripts.benchutil import machine, publish  # noqa: E402
 
 MARKER = "## The fused CPU step and the SLED / server-only margin"
@@ -64,13 +64,11 @@ def main() -> int:
             lines.append(f"| {n} | `--fused {fused}` | {s['system_tokens_per_s']:.1f} | {b['system_tokens_per_s']:.1f} | "
                          f"{b['server_step_ms']:.1f} | "
                          f"{ratio(s['system_tokens_per_s'], b['system_tokens_per_s']):.2f}x ({per}) |")
-    # A round commits at most its drafted tokens + 1 (the accepted ones and a correction or bonus), and a device drafts
-    # at its drafter's rate: N drafters' own rate (device-only) × (1 + 1/K), K the mean draft length, bounds SLED.
     notes = []
     for n in counts:
         cap, s, b = (by[("on", m, n)]["system_tokens_per_s"] for m in ("device-only", "sled", "server-only"))
         k = by[("on", "sled", n)]["mean_draft_tokens"]
-        cap *= 1 + ratio(1, k)
+        cap = drafting_bound(cap, k)
         notes.append(f"- {n} devices: the drafters' own rate × (1 + 1/K) at SLED's mean K {k:.2f}, {cap:.1f} tok/s, is "
                      f"{ratio(cap, b):.2f}x server-only with `--fused on`; SLED reached {ratio(s, cap):.0%} of it")
     section = (

@@ -303,6 +303,14 @@ def ratio(x: float, y: float) -> float:
     return x / y if y > 0 else float("nan")
 
 
+def drafting_bound(device_only_tok_s: float, mean_k: float) -> float:
+    """The most tokens/s devices drafting at device_only_tok_s can commit with drafts of mean_k tokens: a round
+    commits its accepted drafted tokens and one more (a correction where a drafted token was rejected, or the bonus
+    after a wholly accepted draft), at most its drafted tokens + 1, whatever the server does; tokens drafted ahead
+    and thrown away only take more of the drafter's time. nan when no draft was made (a starved run)."""
+    return device_only_tok_s * (1 + ratio(1, mean_k))
+
+
 def server_flags(devices: int, max_wait_ms: float) -> list[str]:
     """sled-server's flags for a load of up to `devices` devices: a slot for each (and two spare), every device's
     draft in one step."""
@@ -347,8 +355,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
     server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
     `capacity` per mode (the largest count whose p95 inter-token latency is within slo_ms, else 0), `verdicts`
     (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices), `bound`
-    (device-only / server-only per count, the most SLED / server-only can be) and `by` (the rows by (mode,
-    devices))."""
+    (drafting_bound / server-only per count, the most SLED / server-only can be from the devices' side) and `by`
+    (the rows by (mode, devices))."""
     sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
     by = {(r["mode"], r["devices"]): r for r in rows}
 
@@ -385,7 +393,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         per = [ratio(a, b) for a, b in zip(ad["repeats_system_tokens_per_s"], best["repeats_system_tokens_per_s"])]
         verdicts.append(f"{n} devices: adaptive {ad['system_tokens_per_s']:.1f} tok/s vs best fixed K={best['k']} "
                         f"{best['system_tokens_per_s']:.1f} "
-                        f"({ratio(ad['system_tokens_per_s'], best['system_tokens_per_s']):.2f}x); pass by pass {', '.join(f'{x:.2f}x' for x in per)}, median {float(np.median(per)):.2f}x")
+                        f"({ratio(ad['system_tokens_per_s'], best['system_tokens_per_s']):.2f}x); "
+                        f"pass by pass {', '.join(f'{x:.2f}x' for x in per)}, median {float(np.median(per)):.2f}x")
     wlines = ["| devices | drafting ahead tok/s | waiting tok/s | ratio | drafted tokens made ahead | "
               "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|"]
     for w in waiting_rows:
@@ -394,12 +403,9 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
                       f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
                       + ", ".join(f"{x:.2f}x" for x in per) + " |")
-    # A round commits its accepted drafted tokens and one more (a correction at the position of a drafted token the
-    # server rejected, or the bonus after a wholly accepted draft): at most its drafted tokens + 1. A device drafts
-    # one token at a time at its drafter's rate, so it commits at most that rate × (1 + 1 / K), K its drafts' mean
-    # length, whatever the server does (tokens drafted ahead and thrown away only take more of the drafter's time).
-    ceilings = [ratio(by[("device-only", n)]["system_tokens_per_s"], by[("server-only", n)]["system_tokens_per_s"])
-                * (1 + ratio(1, by[("sled", n)]["mean_draft_tokens"])) for n in counts]
+    ceilings = [ratio(drafting_bound(by[("device-only", n)]["system_tokens_per_s"],
+                                     by[("sled", n)]["mean_draft_tokens"]),
+                      by[("server-only", n)]["system_tokens_per_s"]) for n in counts]
     bound = ("- the most SLED can reach from the devices' side: a round commits at most its drafted tokens + 1, so a "
              "device commits at most its drafter's rate × (1 + 1/K) at mean draft length K, and SLED / server-only ≤ "
              "device-only / server-only × (1 + 1/K), at the sled rows' K: "
