@@ -74,7 +74,8 @@ SHAPES = {
 # The kernel's vector width and register blocking depend on the CPU it is built for (AVX-512 or not); every
 # layout is built here with -D, so each is checked on any host that can run it. Named vector floats x vectors
 # per panel x batch rows per block; every shape below has a projection whose width is not a multiple of the
-# panel (a padded last panel), and the steps have row counts that leave rows over from a block.
+# panel (a padded last panel), and the steps have row counts that leave rows over from a block: every block
+# height from 1 to 7 rows occurs (each is its own function in the kernel).
 LAYOUTS = {
     "native": (),
     "avx2-8x2x6": ("SLED_VBYTES=32", "NV=2", "MR=6"),
@@ -96,8 +97,10 @@ def test_fused_step_matches_reference_over_ragged_batches(shape, layout, monkeyp
     vocab = dims[-1]
     gen = torch.Generator().manual_seed(1)
     # Prefills of two slots in one batch, then decode tokens and drafts of several slots together, out of order.
+    # Rows per step: 10, 1, 8, 9, 6, 11 and 5 (blocks of 6: 6+4, 1, 6+2, 6+3, 6, 6+5, 5; of 7: 7+3, 1, 7+1,
+    # 7+2, 6, 7+4, 5).
     steps = [[(0, 0, 7), (2, 0, 3)], [(2, 3, 1)], [(0, 7, 5), (2, 4, 1), (1, 0, 2)], [(1, 2, 9)],
-             [(2, 5, 4), (0, 12, 1), (1, 11, 1)]]
+             [(2, 5, 4), (0, 12, 1), (1, 11, 1)], [(0, 13, 6), (2, 9, 5)], [(1, 12, 5)]]
     for parts in steps:
         inp = _batch(parts, vocab, gen)
         got, want = fused.forward(inp), reference.forward(inp)
@@ -106,7 +109,11 @@ def test_fused_step_matches_reference_over_ragged_batches(shape, layout, monkeyp
     # The caches agree where tokens were written, and nothing else was touched.
     assert torch.allclose(fused.kv.k, reference.kv.k, atol=1e-4, rtol=1e-4)
     assert torch.allclose(fused.kv.v, reference.kv.v, atol=1e-4, rtol=1e-4)
-    assert (fused.kv.k[:, :, :, 16:] == POISON).all()
+    written = {slot: max(start + length for parts in steps for s, start, length in parts if s == slot)
+               for slot in range(3)}
+    for slot, end in written.items():
+        assert (fused.kv.k[:, slot, :, end:] == POISON).all()
+        assert (fused.kv.k[:, slot, :, :end] != POISON).all()
 
 
 def test_rollback_then_rewrite_reads_only_what_the_row_may_see():
