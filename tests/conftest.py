@@ -106,7 +106,10 @@ def make_server(target):
     def make(load=True, **settings):
         from verify_server.config import ServerConfig
 
-        base = dict(host="127.0.0.1", port=0, max_sessions=24, max_seq_len=512, max_wait_ms=5.0, seed=0)
+        # fused_max_tokens set: no calibration at each start (about 15 s here; it has its own tests), and every
+        # host runs the same paths: the fused step up to 64 tokens, PyTorch past them.
+        base = dict(host="127.0.0.1", port=0, max_sessions=24, max_seq_len=512, max_wait_ms=5.0, seed=0,
+                    fused_max_tokens=64)
         base.update(settings)
         server = ServerThread(ServerConfig(**base), target)
         started.append(server)

@@ -69,7 +69,10 @@ def _check_segments(inp: ModelInput) -> None:
 # bench_engine's crossover on the AMD EPYC host this was first measured on (fused 0.97x PyTorch at 8 tokens, 1.07x
 # at 12): the threshold before calibrate_fused() runs, or where a runner is built without it.
 UNCALIBRATED_FUSED_MAX_TOKENS = 8
-CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# Up to 256: with the matrix products FMA-bound (ccf292e) the fused step beat PyTorch here at every size tried, 0.86x at
+# 256 tokens, and SLED's steps at 32 devices are about 150 tokens. Each size is timed 3 times both ways; the large
+# ones dominate (about 12 s of the 15 on this 2-core host), and timing stops at the first size PyTorch wins.
+CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class ModelRunner:
