@@ -3,9 +3,18 @@
 In the spirit of DSD's adaptive window control. With per-token acceptance alpha (estimated over the
 recent rounds), a round with k drafted tokens commits (1 - alpha^(k+1)) / (1 - alpha) tokens on
 average and takes k * t_draft + rtt_fixed + c * (k + 1), where t_draft is this device's measured
-drafting time per token, c the server's marginal cost of one more token in a step (the slope
-of its step time over step tokens on recent steps, reported in every Verdict) and rtt_fixed the
-rest of the round trip (network, queueing). Low acceptance, slow drafting or a loaded server shorten the draft; the opposite lengthens it.
+drafting time per token, c what one more token of K costs the step this draft rides in, and rtt_fixed the
+rest of the round trip (network, queueing, the step's cost at no tokens). Low acceptance, slow drafting or a
+loaded server shorten the draft; the opposite lengthens it.
+
+c is the server's marginal cost of one more token in a step (the slope of its step time over step tokens on
+recent steps, reported in every Verdict) times the sessions in the step (also in the Verdict): every device in
+the step runs this controller on much the same figures, so one more token of K from this device is one more from
+each, and the step, which every one of them waits for, grows by that many tokens. Counting only its own token (the
+earlier form) kept K at 8 at a saturated CPU server where shorter drafts commit more per verified token: at 32
+devices the system benchmark measured K = 2 at 235.8 tok/s and adaptive, at K 7.9, at 217.4; scripts/sim_rounds.py's
+model of that server (20 ms a step + 2.9 ms a token, match 0.94) gave 0.92x of the best fixed K before, 0.98x
+after (tests/test_sim_rounds.py).
 
 With drafting ahead (the device drafts on while its draft is verified), a round that is accepted whole with the
 bonus token the drafter guessed (probability about alpha^(k+1)) leaves the next draft made during the round
@@ -38,6 +47,7 @@ class RoundSample:
     rtt_s: float  # Draft sent -> Verdict received (not -> the token being drafted ahead then is done)
     server_token_s: float  # the server's marginal cost of one more token
     draft_token_s: float | None = None  # the drafter's time per token over all its drafting, ahead included
+    step_sessions: int = 1  # sessions in the step that verified this draft
 
 
 class AdaptiveDraftLength:
@@ -89,7 +99,8 @@ class AdaptiveDraftLength:
             t_draft = sum(timed) / len(timed)
         else:
             t_draft = sum(s.draft_s for s in self.samples) / sum(s.drafted for s in self.samples)
-        c = sum(s.server_token_s for s in self.samples) / len(self.samples)
+        sessions = sum(max(s.step_sessions, 1) for s in self.samples) / len(self.samples)
+        c = sessions * sum(s.server_token_s for s in self.samples) / len(self.samples)
         fixed = max(0.0, sum(s.rtt_s - c * (s.drafted + 1) for s in self.samples) / len(self.samples))
 
         def goodput(k: int) -> float:

@@ -304,7 +304,8 @@ class _Generation:
                 # The round trip ends when the verdict came, not when the token being drafted ahead was done.
                 self.adaptive.observe(RoundSample(len(proposal.token_ids), verdict.n_accepted, t_sent - t_round,
                                                   self.verdict_at - t_sent, per_token,
-                                                  spent / drafted if drafted else None))
+                                                  spent / drafted if drafted else None,
+                                                  max(verdict.step_sessions, 1)))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted

@@ -49,6 +49,7 @@ class _Device:
     sent: float = 0.0
     drafted: int = 0
     server: float = 0.0  # the server's marginal token cost, as its last verdict reported it
+    sessions: int = 1  # sessions in the step that verified its last draft
     ks: list[int] = field(default_factory=list)
 
 
@@ -130,6 +131,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             for dv in batch:
                 at(now + r.net_s, "verdict", dv)
                 devs[dv].server = c
+                devs[dv].sessions = len(batch)
             batch = []
             schedule(now)
         elif kind == "verdict":
@@ -152,7 +154,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
                 dev.tokens += accepted + 1
             if dev.ctrl is not None:
                 dev.ctrl.observe(RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server,
-                                             r.draft_s))
+                                             r.draft_s, dev.sessions))
             begin_round(d, resume)
     total = sum(dv.tokens for dv in devs)
     ks = [x for dv in devs for x in dv.ks]

@@ -3,10 +3,11 @@ import pytest
 from edge_client.adaptive import AdaptiveDraftLength, RoundSample
 
 
-def feed(ctrl, rounds, drafted, accepted, draft_s, rtt_s, server_token_s):
+def feed(ctrl, rounds, drafted, accepted, draft_s, rtt_s, server_token_s, sessions=1):
     for _ in range(rounds):
         k = ctrl.k
-        ctrl.observe(RoundSample(k, min(accepted(k), k), draft_s * k, rtt_s + server_token_s * (k + 1), server_token_s))
+        ctrl.observe(RoundSample(k, min(accepted(k), k), draft_s * k, rtt_s + sessions * server_token_s * (k + 1),
+                                 server_token_s, step_sessions=sessions))
     return ctrl.k
 
 
@@ -34,6 +35,17 @@ def test_a_loaded_server_shortens_the_draft_at_the_same_acceptance():
     k_light = feed(light, 16, None, acc, draft_s=0.005, rtt_s=0.03, server_token_s=0.001)
     k_heavy = feed(heavy, 16, None, acc, draft_s=0.005, rtt_s=0.03, server_token_s=0.03)
     assert k_heavy < k_light
+
+
+def test_more_sessions_in_the_step_shorten_the_draft_at_the_same_token_cost():
+    """Every session in the step lengthens its draft as this one does, so a token of K costs the step (which all of
+    them wait for) one token per session: at 8 sessions the same per-token cost weighs 8 times."""
+    alone = AdaptiveDraftLength(k_max=8, k_initial=8)
+    shared = AdaptiveDraftLength(k_max=8, k_initial=8)
+    always = lambda k: k - 1 if k > 1 else k  # noqa: E731  (alpha around 0.9 at K 8)
+    k_alone = feed(alone, 16, None, always, draft_s=0.015, rtt_s=0.02, server_token_s=0.003)
+    k_shared = feed(shared, 16, None, always, draft_s=0.015, rtt_s=0.02, server_token_s=0.003, sessions=8)
+    assert k_shared < k_alone, (k_shared, k_alone)
 
 
 def test_bounds_are_checked():
