@@ -11,10 +11,12 @@ c is the server's marginal cost of one more token in a step (the slope of its st
 recent steps, reported in every Verdict) times the sessions in the step (also in the Verdict): every device in
 the step runs this controller on much the same figures, so one more token of K from this device is one more from
 each, and the step, which every one of them waits for, grows by that many tokens. Counting only its own token (the
-earlier form) kept K at 8 at a saturated CPU server where shorter drafts commit more per verified token: at 32
-devices the system benchmark measured K = 2 at 235.8 tok/s and adaptive, at K 7.9, at 217.4; scripts/sim_rounds.py's
-model of that server (20 ms a step + 2.9 ms a token, match 0.94) gave 0.92x of the best fixed K before, 0.98x
-after (tests/test_sim_rounds.py).
+earlier form) kept K at 8 at a saturated CPU server where shorter drafts commit more per verified token:
+scripts/sim_rounds.py's model of this machine's server at 32 devices (20 ms a step + 2.9 ms a token, match 0.94)
+gave 0.92x of the best fixed K before, 0.98x after (tests/test_sim_rounds.py). In the system benchmark one run
+had K = 2 best at 32 devices (235.8 tok/s against adaptive's 217.4 at K 7.9); the next, with this change, had K = 8
+best, and adaptive stayed near K 7.8: no measurable effect there. A round trip under saturation spans more than
+one step, each growing with the others' K, which this model still counts as fixed.
 
 With drafting ahead (the device drafts on while its draft is verified), a round that is accepted whole with the
 bonus token the drafter guessed (probability about alpha^(k+1)) leaves the next draft made during the round

@@ -44,8 +44,8 @@ def main() -> int:
     ap.add_argument("--kernels", default="fused,onednn,reference",
                     help="kernels to compare: fused, onednn, reference (default all three)")
     ap.add_argument("--sweep", default="1,2,4,8,9,12,16,32,64,128,256",
-                    help="token counts of one session's forward, fused against PyTorch (default 1,2,4,8,9,12,16,32,64,128,256; "
-                         "empty: skip)")
+                    help="token counts of one session's forward, fused against PyTorch "
+                         "(default 1,2,4,8,9,12,16,32,64,128,256; empty: skip)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
