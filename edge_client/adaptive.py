@@ -49,7 +49,7 @@ class RoundSample:
     rtt_s: float  # Draft sent -> Verdict received (not -> the token being drafted ahead then is done)
     server_token_s: float  # the server's marginal cost of one more token
     draft_token_s: float | None = None  # the drafter's time per token over all its drafting, ahead included
-    step_sessions: int = 1  # sessions in the step that verified this draft
+    step_sessions: int = 1  # sessions in the step that verified this draft (0, from a server that sends none: 1)
 
 
 class AdaptiveDraftLength:

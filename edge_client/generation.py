@@ -305,7 +305,7 @@ class _Generation:
                 self.adaptive.observe(RoundSample(len(proposal.token_ids), verdict.n_accepted, t_sent - t_round,
                                                   self.verdict_at - t_sent, per_token,
                                                   spent / drafted if drafted else None,
-                                                  max(verdict.step_sessions, 1)))
+                                                  verdict.step_sessions))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted
