@@ -73,7 +73,8 @@ class Agent:
         self.served = 0
 
     def _controller(self) -> AdaptiveDraftLength:
-        return AdaptiveDraftLength.for_device(self.config.max_draft_tokens, self.config.draft_ahead)
+        return AdaptiveDraftLength.for_device(self.config.max_draft_tokens, self.config.draft_ahead,
+                                              self.config.confidence_stop)
 
     async def _drafter(self) -> tuple:
         if self._idle.empty() and self._made < self.config.max_concurrent:
@@ -102,6 +103,7 @@ class Agent:
                                         adaptive=self.config.adaptive_draft,
                                         max_draft_tokens=self.config.max_draft_tokens,
                                         draft_ahead=self.config.draft_ahead, controller=controller,
+                                        confidence_stop=self.config.confidence_stop,
                                         client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
                                         should_stop=lambda: stop.hit)
             finally:

@@ -39,6 +39,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="keep drafting while a draft is verified, guessing that all of it is accepted; the next "
                         "draft is then ready when the guess holds (default on; --no-draft-ahead waits)")
+    p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=True,
+                   help="with the adaptive K, end a draft early at a token the drafter is too unsure of, by how often "
+                        "such tokens were accepted (default on; --no-confidence-stop always drafts K)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
@@ -170,7 +173,7 @@ async def _generate(args) -> dict:
                                 sampling=sampling, draft_tokens=args.draft_tokens,
                                 on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}",
                                 resilience=resilience, adaptive=args.adaptive, max_draft_tokens=args.max_draft_tokens,
-                                draft_ahead=args.draft_ahead)
+                                draft_ahead=args.draft_ahead, confidence_stop=args.confidence_stop)
     finally:
         await client.close()
         drafter.close()

@@ -119,19 +119,21 @@ def _q(p: Proposal, i: int) -> tuple:
 
 
 def _join(a: Proposal, b: Proposal) -> Proposal:
-    """The tokens of a then b, each with its own q."""
+    """The tokens of a then b, each with its own q and confidence."""
     if not a.token_ids or not b.token_ids:
         return b if not a.token_ids else a
     tokens = a.token_ids + b.token_ids
+    confidence = a.confidence + b.confidence if a.confidence is not None and b.confidence is not None else None
     if a.q_ids is None and b.q_ids is None:
-        return Proposal(tokens)
+        return Proposal(tokens, confidence=confidence)
     qs = [_q(a, i) for i in range(len(a.token_ids))] + [_q(b, i) for i in range(len(b.token_ids))]
-    return Proposal(tokens, [q[0] for q in qs], [q[1] for q in qs])
+    return Proposal(tokens, [q[0] for q in qs], [q[1] for q in qs], confidence=confidence)
 
 
 def _cut(p: Proposal, start: int, end: int | None = None) -> Proposal:
     return Proposal(p.token_ids[start:end], None if p.q_ids is None else p.q_ids[start:end],
-                    None if p.q_probs is None else p.q_probs[start:end])
+                    None if p.q_probs is None else p.q_probs[start:end],
+                    confidence=None if p.confidence is None else p.confidence[start:end])
 
 
 class _Generation:
@@ -160,9 +162,12 @@ class _Generation:
         self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
         self.verdict_at = 0.0  # when this round's verdict came
 
-    async def _propose(self, context: list[int], k: int) -> Proposal:
+    async def _propose(self, context: list[int], k: int, stop=None) -> Proposal:
         t0 = time.perf_counter()
-        proposal = await asyncio.to_thread(self.drafter.propose, context, k)
+        if stop is None:  # drafters written before the stop rule take no third argument
+            proposal = await asyncio.to_thread(self.drafter.propose, context, k)
+        else:
+            proposal = await asyncio.to_thread(self.drafter.propose, context, k, stop)
         self.drafting[0] += time.perf_counter() - t0
         self.drafting[1] += len(proposal.token_ids)
         return proposal
@@ -305,7 +310,8 @@ class _Generation:
                 self.adaptive.observe(RoundSample(len(proposal.token_ids), verdict.n_accepted, t_sent - t_round,
                                                   self.verdict_at - t_sent, per_token,
                                                   spent / drafted if drafted else None,
-                                                  verdict.step_sessions))
+                                                  verdict.step_sessions,
+                                                  None if proposal.confidence is None else tuple(proposal.confidence)))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted
@@ -327,17 +333,25 @@ class _Generation:
         return verdict
 
     async def draft(self, k: int) -> Proposal:
-        """This round's k tokens: those drafted ahead during the last round first, the rest drafted now."""
+        """This round's k tokens: those drafted ahead during the last round first, the rest drafted now; fewer where
+        the adaptive controller's stop rule ends the draft at a token the drafter is too unsure of."""
         carry, self.carry = self.carry, None
         if not k:
             return Proposal([])
+        stop = self.adaptive.stop_rule() if self.adaptive is not None else None
         if carry is None or not carry.token_ids:
-            return await self._propose(self.context, k)
+            return await self._propose(self.context, k, stop)
         proposal = _cut(carry, 0, k)
+        if stop is not None and proposal.confidence is not None:
+            for i, sure in enumerate(proposal.confidence):
+                if not stop.take(sure):
+                    proposal = _cut(proposal, 0, i)
+                    k = i  # the draft ends here: nothing more to draft
+                    break
         self.result.ahead_rounds += 1
         self.result.ahead_tokens += len(proposal.token_ids)
         if len(proposal.token_ids) < k and proposal.token_ids[-1] not in self.stop_ids:
-            rest = await self._propose(self.context + proposal.token_ids, k - len(proposal.token_ids))
+            rest = await self._propose(self.context + proposal.token_ids, k - len(proposal.token_ids), stop)
             proposal = _join(proposal, rest)
         return proposal
 
@@ -387,12 +401,15 @@ async def generate(
     max_draft_tokens: int = 8,
     draft_ahead: bool = True,
     controller: AdaptiveDraftLength | None = None,
+    confidence_stop: bool = True,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
     With adaptive=True, K starts at max_draft_tokens, or where a kept `controller` left it (optimistic: a
     poor drafter is cut back after two rounds), and each round chooses K in 1..max_draft_tokens; draft_tokens
     is then only the on/off switch for drafting (0 = none). With adaptive=False, K is draft_tokens.
+    confidence_stop=True lets the adaptive controller end a draft before K at a token the drafter is too unsure of
+    (edge_client.adaptive); it needs a drafter that reports its confidence.
     draft_ahead=True drafts on while a draft is verified (see the module docstring). `controller` is the
     device's adaptive draft-length controller, kept across its requests so that each starts from what the
     earlier ones measured; None makes a fresh one.
@@ -406,9 +423,10 @@ async def generate(
     if not adaptive:
         controller = None
     elif controller is None:
-        controller = AdaptiveDraftLength.for_device(max_draft_tokens, draft_ahead)
+        controller = AdaptiveDraftLength.for_device(max_draft_tokens, draft_ahead, confidence_stop)
     else:
         controller.configure(max(max_draft_tokens, controller.k_min), draft_ahead)
+        controller.confidence_stop = confidence_stop
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
                       stop_token_ids, on_text, client_id, resilience, should_stop, controller, draft_ahead)
     return await run.run()

@@ -34,7 +34,8 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
     client = VerifierClient(config.server, config.auth_token)
     resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                             round_timeout_s=config.round_timeout_s)
-    controller = AdaptiveDraftLength.for_device(config.max_draft_tokens, config.draft_ahead)  # kept across requests
+    controller = AdaptiveDraftLength.for_device(config.max_draft_tokens, config.draft_ahead,  # kept across requests
+                                                config.confidence_stop)
     runs = []
     start = time.perf_counter()
     try:
@@ -45,7 +46,8 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
             r = await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens, sampling=sampling,
                                draft_tokens=config.draft_tokens, client_id=name, resilience=resilience,
                                adaptive=config.adaptive_draft, max_draft_tokens=config.max_draft_tokens,
-                               draft_ahead=config.draft_ahead, controller=controller)
+                               draft_ahead=config.draft_ahead, controller=controller,
+                               confidence_stop=config.confidence_stop)
             runs.append(r)
             log(f"[{name}] request {i + 1}/{requests}: {len(r.token_ids)} tokens, {r.tokens_per_second:.1f} tok/s, "
                 f"acceptance {r.acceptance_rate:.2f}")

@@ -67,23 +67,32 @@ class ReplayDrafter:
 
     A context off the recorded output (a drafted token the target rejects came before) gets filler tokens,
     after the same time: a real drafter's tokens there are never accepted either, since verification stops
-    at the first rejected token, so only the time they take matters."""
+    at the first rejected token, so only the time they take matters. With the drafter's recorded confidence in
+    each token, the adaptive controller's stop rule ends a draft where the real drafter would have."""
 
     name = "replay"
 
-    def __init__(self, rounds: dict[int, list[int]], seconds_per_token: float, full: list[int] | None = None):
-        self.rounds, self.spt, self.prefixes = rounds, seconds_per_token, full
+    def __init__(self, rounds: dict[int, list[int]], seconds_per_token: float, full: list[int] | None = None,
+                 confidence: dict[int, list[float]] | None = None):
+        self.rounds, self.spt, self.prefixes, self.confidence = rounds, seconds_per_token, full, confidence
 
     def begin(self, context, sampling):
         pass
 
-    def propose(self, context, k):
-        tokens = self.rounds.get(len(context))
+    def propose(self, context, k, stop=None):
+        tokens, sure = self.rounds.get(len(context)), None
         if tokens is None or (self.prefixes is not None and list(context) != self.prefixes[:len(context)]):
             tokens = [context[-1] ^ 1] * k  # off the recording: filler, never the last token (a random target repeats it)
+        elif self.confidence is not None:
+            sure = self.confidence[len(context)]
         tokens = tokens[:k]
+        if sure is not None and stop is not None:
+            n = 0
+            while n < len(tokens) and stop.take(sure[n]):
+                n += 1
+            tokens = tokens[:n]
         time.sleep(self.spt * len(tokens))
-        return Proposal(list(tokens))
+        return Proposal(list(tokens), confidence=None if sure is None else list(sure[:len(tokens)]))
 
     def accept(self, context, ahead=()):
         pass
@@ -95,17 +104,21 @@ class ReplayDrafter:
 K_MAX = 8
 
 
-def record_tables(address, tokenizer, prompt_ids, max_tokens) -> tuple[list[dict[int, list[int]]], list[list[int]]]:
-    """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there; and the greedy
-    outputs (prompt included) they were recorded along."""
+def record_tables(address, tokenizer, prompt_ids, max_tokens) -> tuple[list[dict[int, list[int]]], list[list[int]],
+                                                                       list[dict[int, list[float]]]]:
+    """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there; the greedy
+    outputs (prompt included) they were recorded along; and context length -> the drafter's confidence in each
+    token of its proposal."""
     drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512))
-    tables = []
+    tables, confidences = [], []
     fulls = greedy_outputs(address, tokenizer, prompt_ids, max_tokens)
     for ids, full in zip(prompt_ids, fulls):
         drafter.begin(list(ids), SamplingParams())
-        tables.append({n: drafter.propose(full[:n], K_MAX).token_ids for n in range(len(ids), len(full))})
+        proposals = {n: drafter.propose(full[:n], K_MAX) for n in range(len(ids), len(full))}
+        tables.append({n: p.token_ids for n, p in proposals.items()})
+        confidences.append({n: p.confidence for n, p in proposals.items()})
     drafter.close()
-    return tables, fulls
+    return tables, fulls, confidences
 
 
 def match_rate(tables: list[dict[int, list[int]]], fulls: list[list[int]]) -> tuple[float, list[float]]:
@@ -531,7 +544,7 @@ def main() -> int:
     server = ServerProcess(*server_flags(top, args.max_wait_ms), *extra)
     address = server.start()
     try:
-        fulls = None
+        fulls, confidences = None, None
         if args.draft_match is not None:
             print(f"[bench] synthesizing drafts from the target's greedy outputs ({args.recordings} prompts, "
                   f"each position right with probability {args.draft_match:g}) ...", flush=True)
@@ -540,7 +553,7 @@ def main() -> int:
         else:
             print(f"[bench] recording the llama.cpp drafter's proposals along {args.recordings} greedy outputs ...",
                   flush=True)
-            tables, recorded = record_tables(address, tokenizer, ids, args.max_tokens)
+            tables, recorded, confidences = record_tables(address, tokenizer, ids, args.max_tokens)
             real_match = match_rate(tables, recorded)
             print(f"[bench] the real drafter's per-position match with the target's greedy output: "
                   f"{real_match[0]:.3f} (by draft position: {', '.join(f'{x:.2f}' for x in real_match[1])}); "
@@ -571,7 +584,9 @@ def main() -> int:
                 adaptive = mode in ("adaptive", "no-ahead")
                 k = args.draft_tokens if adaptive else int(mode)
                 w = asyncio.run(run_window(
-                    address, tokenizer, lambda p: ReplayDrafter(tables[p], spt, fulls[p] if fulls else None), ids, n,
+                    address, tokenizer,
+                    lambda p: ReplayDrafter(tables[p], spt, fulls[p] if fulls else None,
+                                            confidences[p] if confidences else None), ids, n,
                     args.max_tokens, k, args.warmup_s, args.seconds, adaptive=adaptive,
                     draft_ahead=mode != "no-ahead"))
                 # Fixed-K rows are their own modes, so that `mode == "sled"` picks exactly one row per count.

@@ -31,6 +31,8 @@ class Proposal:
     q_ids: list[np.ndarray] | None = None  # each [K_i] int64
     q_probs: list[np.ndarray] | None = None  # each [K_i] float32
     extras: dict = field(default_factory=dict)
+    # The drafter's confidence in each token (its top-1 probability there), or None where it has none.
+    confidence: list[float] | None = None
 
 
 class Drafter(Protocol):
@@ -39,8 +41,10 @@ class Drafter(Protocol):
     def begin(self, context: list[int], sampling: SamplingParams) -> None:
         """Start a session with its whole context (prompt plus anything already committed)."""
 
-    def propose(self, context: list[int], k: int) -> Proposal:
-        """Up to k tokens that continue `context` (the committed tokens)."""
+    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
+        """Up to k tokens that continue `context` (the committed tokens). A drafter that reports its confidence
+        asks `stop.take(confidence)` (edge_client.adaptive.DraftStop) before each token, if a stop is given, and
+        ends the draft where it says no; one without confidence ignores it."""
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
         """The verdict is in and `context` is committed: drop any state past what agrees with it. `ahead` are
@@ -61,7 +65,7 @@ class NoDrafter:
     def begin(self, context: list[int], sampling: SamplingParams) -> None:
         pass
 
-    def propose(self, context: list[int], k: int) -> Proposal:
+    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
         return Proposal([])
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:

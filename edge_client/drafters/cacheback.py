@@ -71,7 +71,7 @@ class CachebackDrafter:
             self.ingest(context, self._seen)
             self._seen = len(context)
 
-    def propose(self, context: list[int], k: int) -> Proposal:
+    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
         draft: list[int] = []
         tail = list(context[-max(self.tables):])
         while len(draft) < k:

@@ -70,33 +70,41 @@ class KVDrafter:
         self.rollback(keep)
         self._feed(context[keep:])
 
-    def propose(self, context: list[int], k: int) -> Proposal:
+    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
         k = min(k, self.n_ctx - len(context) - 1)
         if k <= 0:
             return Proposal([])
         self._sync(context)
         s = self.sampling
         tokens: list[int] = []
+        confidence: list[float] = []
         q_ids: list[np.ndarray] = []
         q_probs: list[np.ndarray] = []
         for i in range(k):
             logits = self._logits
             if s.greedy:
                 x = int(np.argmax(logits))
+                # top-1 probability of the drafter's own distribution: 1 / sum(exp(l - l_max))
+                sure = float(1.0 / np.exp(logits - logits[x]).sum())
             else:
                 top_k = min(s.top_k, self.top_k_cap) if s.top_k else self.top_k_cap
                 ids, probs = sparse_distribution(logits, s.temperature, top_k, s.top_p)
+                sure = float(probs.max())  # the top-1 probability of q, what the token is sampled from
+            if stop is not None and not stop.take(sure):
+                break
+            if not s.greedy:
                 x = sample(ids, probs, self._draw_rng(len(context) + i))
                 q_ids.append(ids)
                 q_probs.append(probs)
             tokens.append(x)
+            confidence.append(sure)
             if x == self.eos:
                 break
             if i < k - 1:
                 self._feed([x])
         if s.greedy:
-            return Proposal(tokens)
-        return Proposal(tokens, q_ids, q_probs)
+            return Proposal(tokens, confidence=confidence)
+        return Proposal(tokens, q_ids, q_probs, confidence=confidence)
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
         # Drafted-ahead tokens that continue the committed context keep their cache entries: they are proposed

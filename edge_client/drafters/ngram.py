@@ -33,7 +33,7 @@ class NgramDrafter:
     def begin(self, context: list[int], sampling: SamplingParams) -> None:
         pass
 
-    def propose(self, context: list[int], k: int) -> Proposal:
+    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
         return Proposal(lookup(context, k, self.n_max, self.n_min) if k > 0 else [])
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:

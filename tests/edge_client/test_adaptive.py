@@ -156,9 +156,9 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
     from tests.edge_client.test_draft_ahead import P_GREEDY, PROMPT, TOKENIZER, FakeClient, TableDrafter, cycle
 
     class Slow(TableDrafter):
-        def propose(self, context, k):
+        def propose(self, context, k, stop=None):
             clock.sleep(0.06 * k)
-            return super().propose(context, k)
+            return super().propose(context, k, stop)
 
     seen: list[RoundSample] = []
 

@@ -60,8 +60,8 @@ class TableDrafter(KVDrafter):
         self.proposed = 0  # tokens drafted, used or not
         self.fed: list[tuple[int, int]] = []  # (position, token) of every token evaluated into the cache
 
-    def propose(self, context, k):
-        proposal = super().propose(context, k)
+    def propose(self, context, k, stop=None):
+        proposal = super().propose(context, k, stop)
         self.proposed += len(proposal.token_ids)
         return proposal
 
@@ -172,6 +172,11 @@ def test_drafting_ahead_keeps_the_target_distribution(seeded):
     assert all(len(r.token_ids) == N_TOKENS for r in results)
     assert not MISSENT, MISSENT[:3]
     assert sum(r.ahead_tokens for r in results) > 0.08 * sum(r.draft_tokens for r in results)  # ahead drafts were used
+    assert_follows_p(results)
+
+
+def assert_follows_p(results):
+    """Every generated token, given the one before it, follows that token's row of P (chi-square per row)."""
     counts = np.zeros((V, V))
     for r in results:
         seq = PROMPT[-1:] + r.token_ids

@@ -187,10 +187,10 @@ def test_the_window_opens_only_once_every_device_has_committed(tiny_server, toke
     late = {"first": True}
 
     class LateStart(ReplayDrafter):
-        def propose(self, context, k):
+        def propose(self, context, k, stop=None):
             if late.pop("first", False):
                 time.sleep(0.8)
-            return super().propose(context, k)
+            return super().propose(context, k, stop)
 
     def make(p):
         return (LateStart if p == 1 else ReplayDrafter)(tables[p], 0.002, fulls[p])
