@@ -38,16 +38,18 @@ confidence in each token (its top-1 probability there). The controller learns, f
 each confidence is accepted once the tokens before it were (bins of confidence, counts that fade over about 200
 rounds): the same confidence means different odds for different drafters (a quantized copy of the target is accepted
 at 0.76 where it is 10-20% sure; a 2-bit one at 0.32). Token i is drafted while the chance that it and every token
-before it are accepted, times the time one committed token costs at this K, is worth more than drafting and verifying
-one more token (the drafter's time a token plus the step's c). A fixed threshold cannot do this: llama.cpp's 0.75 cuts
-the Q4_1 drafter's drafts (K 8) to 1.6 tokens, accepted at 0.95 where 8 are accepted at 0.82, and costs 1.21x the
-server time per committed token in the model below. Replayed over the target's greedy outputs (16 chat prompts, 64
-tokens; the drafter's proposals and confidences recorded at every prefix), each round's cost modelled (this machine's
-CPU server: 6 ms a round + 3.5 ms a verified token; or device-bound: 30 ms + 16 ms a drafted token), the time per
-committed token with the rule, against this controller without it: Q4_1 drafter 1.00x and 0.98x (drafts of 4.6
-tokens instead of 6.5, and 3.0 instead of 4.9), a 2-bit requantized one 0.95x and 0.99x; never above 1.01x the
-best fixed K. The first token is always drafted; a drafter with no confidence (n-gram, replayed synthetic drafts) is
-never stopped.
+before it are accepted, times the time one committed token costs at this K, is worth more than what one more token
+adds to the round (the step's c, and the drafting time that drafting ahead does not hide). With every token at the
+average acceptance the rule ends drafts at about the chosen K; confidence moves the end to where this draft's own
+tokens put it. A fixed threshold cannot do this: llama.cpp's 0.75 cuts the Q4_1 drafter's drafts (K 8) to 1.6
+tokens, accepted at 0.95 where 8 are accepted at 0.82, and costs 1.21x the server time per committed token in the
+model below. `scripts/replay_confidence.py` replays the target's greedy outputs (16 chat prompts, 64 tokens; the
+drafter's proposals and confidences recorded at every prefix) with each round's cost modelled (this machine's CPU
+server: 6 ms a round + 3.5 ms a verified token; or device-bound: 30 ms + 16 ms a drafted token; waiting, not drafting
+ahead). The time per committed token with the rule, against this controller without it: Q4_1 drafter 1.00x and
+0.98x (drafts of 4.6 tokens instead of 6.5, and 3.0 instead of 4.9), a 2-bit requantized one 0.95x and 0.99x; against
+the best fixed K 1.01x, 1.00x, 0.95x, 0.99x, and llama.cpp's 0.75 at K 8 within 1% of it for the 2-bit drafter. The
+first token is always drafted; a drafter with no confidence (n-gram, replayed synthetic drafts) is never stopped.
 """
 
 from __future__ import annotations
@@ -183,19 +185,23 @@ class AdaptiveDraftLength:
         c = sessions * sum(s.server_token_s for s in self.samples) / len(self.samples)
         fixed = max(0.0, sum(s.rtt_s - c * (s.drafted + 1) for s in self.samples) / len(self.samples))
 
-        def goodput(k: int) -> float:
-            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        def tokens(k: int) -> float:  # committed by a round that drafts k
+            return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+        def seconds(k: int) -> float:  # that round's time
             rtt = fixed + c * (k + 1)
             if not self.ahead:
-                return tokens / (k * t_draft + rtt)
+                return k * t_draft + rtt
             hit = alpha ** (k + 1)
             if rtt < (self.k_max + 1) * t_draft:  # still drafting ahead when the verdict comes
                 rtt += t_draft / 2
-            return tokens / (rtt + hit * max(0.0, (k + 1) * t_draft - rtt) + (1 - hit) * k * t_draft)
+            return rtt + hit * max(0.0, (k + 1) * t_draft - rtt) + (1 - hit) * k * t_draft
 
-        k = max(range(self.k_min, self.k_max + 1), key=goodput)
-        # One more drafted token costs its drafting and its share of the step; one more committed token is worth
-        # the time a committed token costs at this K. Draft token i while P(it and all before it accepted) times
-        # the second is at least the first.
-        self.threshold = (t_draft + c) * goodput(k)
+        k = max(range(self.k_min, self.k_max + 1), key=lambda k: tokens(k) / seconds(k))
+        # The stop rule's threshold: what one more drafted token adds to the round's time (its share of the step,
+        # and its drafting where that is not hidden by drafting ahead) over what one committed token costs at this
+        # K. Token i is worth drafting while P(it and all before it accepted) is at least that. With every token's
+        # chance at the average alpha, the rule ends the draft at about this K: at the best K, alpha^(K+1) is under
+        # the threshold and alpha^K over it. Confidence moves the end to where this draft's own tokens put it.
+        self.threshold = max(c, seconds(k + 1) - seconds(k)) * tokens(k) / seconds(k)
         return k

@@ -83,6 +83,8 @@ def _add_serve(sub) -> None:
                    help="adaptive draft length (default on)")
     p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="draft on while a draft is verified (default on)")
+    p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=None,
+                   help="end an adaptive draft early at a token the drafter is too unsure of (default on)")
     p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
     p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
@@ -124,16 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_config(args):
+    """The daemon's settings: --config's YAML with the serve flags given over it."""
+    from .config import load_edge_config
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "log_level")}
+    return load_edge_config(args.config, **overrides)
+
+
 def _serve(args) -> int:
     import logging
 
-    from .config import load_edge_config
     from .openai_api import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "log_level")}
     try:
-        config = load_edge_config(args.config, **overrides)
+        config = serve_config(args)
         asyncio.run(serve(config))
     except (OSError, ValueError) as err:
         print(f"sled-edge serve: {err}", file=sys.stderr)

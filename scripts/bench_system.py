@@ -104,12 +104,12 @@ class ReplayDrafter:
 K_MAX = 8
 
 
-def record_tables(address, tokenizer, prompt_ids, max_tokens) -> tuple[list[dict[int, list[int]]], list[list[int]],
-                                                                       list[dict[int, list[float]]]]:
+def record_tables(address, tokenizer, prompt_ids, max_tokens, model_path: str | None = None
+                  ) -> tuple[list[dict[int, list[int]]], list[list[int]], list[dict[int, list[float]]]]:
     """Per prompt: context length -> the real drafter's greedy proposal of K_MAX tokens there; the greedy
     outputs (prompt included) they were recorded along; and context length -> the drafter's confidence in each
     token of its proposal."""
-    drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512))
+    drafter = create_drafter("llama-cpp", DrafterOptions(model_path=model_path, context_size=512))
     tables, confidences = [], []
     fulls = greedy_outputs(address, tokenizer, prompt_ids, max_tokens)
     for ids, full in zip(prompt_ids, fulls):

@@ -17,8 +17,8 @@ import pytest
 from edge_client.adaptive import AdaptiveDraftLength, DraftStop, RoundSample
 from edge_client.generation import generate
 from edge_client.sampling import SamplingParams
-from tests.edge_client.test_draft_ahead import (MISSENT, PROMPT, TOKENIZER, FakeClient, Q, TableDrafter, assert_follows_p,
-                                                cycle)
+from tests.edge_client.test_draft_ahead import (MISSENT, PROMPT, TOKENIZER, FakeClient, Q, TableDrafter,
+                                                assert_follows_p, cycle)
 
 
 class Forced(AdaptiveDraftLength):
@@ -214,3 +214,22 @@ def test_the_replayed_drafter_stops_where_the_recorded_one_would():
     assert replay.propose(full[:2], 4).token_ids == [7, 8, 9, 10]
     p = replay.propose(full[:2], 4, DraftStop(lambda c: c, 0.5))
     assert p.token_ids == [7, 8] and p.confidence == [0.9, 0.9]
+
+
+def test_the_switch_is_a_device_setting(tmp_path):
+    from edge_client.cli import build_parser, serve_config
+    from edge_client.config import load_edge_config
+
+    assert load_edge_config().confidence_stop is True
+    assert load_edge_config(confidence_stop=False).confidence_stop is False
+    with pytest.raises(ValueError, match="confidence_stop must be true or false"):
+        load_edge_config(confidence_stop="off")
+    off = AdaptiveDraftLength.for_device(8, True, confidence_stop=False)
+    assert off.confidence_stop is False
+    # The daemon's flag overrides its YAML, both ways; no flag leaves the YAML's word.
+    yaml_off = tmp_path / "device.yaml"
+    yaml_off.write_text("confidence_stop: false\n")
+    parse = build_parser().parse_args
+    assert serve_config(parse(["serve", "--config", str(yaml_off)])).confidence_stop is False
+    assert serve_config(parse(["serve", "--config", str(yaml_off), "--confidence-stop"])).confidence_stop is True
+    assert serve_config(parse(["serve", "--no-confidence-stop"])).confidence_stop is False
