@@ -33,23 +33,29 @@ trip, those short guessed drafts cost 5-10% of system throughput in the benchmar
 After an idle spell longer than max_age_s (120 s) the next request measures afresh, starting from the last K.
 
 Stopping on low confidence (in the spirit of llama.cpp's minimum draft probability, `--draft-p-min`): K is the most a
-round drafts; within it, the drafter stops before a token that is not worth drafting. A model drafter reports its
-confidence in each token (its top-1 probability there). The controller learns, from the verdicts, how often a token of
-each confidence is accepted once the tokens before it were (bins of confidence, counts that fade over about 200
-rounds): the same confidence means different odds for different drafters (a quantized copy of the target is accepted
-at 0.76 where it is 10-20% sure; a 2-bit one at 0.32). Token i is drafted while the chance that it and every token
-before it are accepted, times the time one committed token costs at this K, is worth more than what one more token
-adds to the round (the step's c, and the drafting time that drafting ahead does not hide). With every token at the
-average acceptance the rule ends drafts at about the chosen K; confidence moves the end to where this draft's own
-tokens put it. A fixed threshold cannot do this: llama.cpp's 0.75 cuts the Q4_1 drafter's drafts (K 8) to 1.6
-tokens, accepted at 0.95 where 8 are accepted at 0.82, and costs 1.21x the server time per committed token in the
-model below. `scripts/replay_confidence.py` replays the target's greedy outputs (16 chat prompts, 64 tokens; the
+round drafts; within it, a draft ends at a token that is not worth it. A model drafter reports its confidence in each
+token (its top-1 probability there). The controller learns, from the verdicts, how often a token of each confidence is
+accepted once the tokens before it were (bins of confidence, counts that fade over about 200 rounds): the same
+confidence means different odds for different drafters (a quantized copy of the target is accepted at 0.76 where it is
+10-20% sure; a 2-bit one at 0.32). Two questions, each priced at the time one committed token costs at this K: whether
+to draft another token (while the chance that the tokens so far are all accepted, times the average token's, is worth
+its drafting and its share of the step), and whether a token already drafted goes out (while the chance that it and
+every token before it are accepted is worth its share of the step alone: ending a draft before a token drafted anyway,
+ahead or to read its confidence, does not spare its drafting, only moves it to the next round). The drafting price is
+capped at the average token's chance to the power K + 1, so that a draft of average tokens always reaches the chosen K
+and confidence only ends the drafts whose own tokens are worse (tests/edge_client/test_confidence_stop.py): drafting
+ahead makes a round's time anything but linear in k, and priced at what one more token adds to a round on average, the
+rule first ended drafts at 1.6 tokens at 4 devices in the system benchmark, 0.73x the best fixed K
+(scripts/sim_rounds.py --confidence reproduces it: 0.82-0.86x; tests/test_sim_rounds.py). A fixed threshold cannot tell
+drafters apart: llama.cpp's 0.75 cuts the Q4_1 drafter's drafts (K 8) to 1.6 tokens, accepted at 0.95 where 8 are
+accepted at 0.82. `scripts/replay_confidence.py` replays the target's greedy outputs (16 chat prompts, 64 tokens; the
 drafter's proposals and confidences recorded at every prefix) with each round's cost modelled (this machine's CPU
 server: 6 ms a round + 3.5 ms a verified token; or device-bound: 30 ms + 16 ms a drafted token; waiting, not drafting
-ahead). The time per committed token with the rule, against this controller without it: Q4_1 drafter 1.00x and
-0.98x (drafts of 4.6 tokens instead of 6.5, and 3.0 instead of 4.9), a 2-bit requantized one 0.95x and 0.99x; against
-the best fixed K 1.01x, 1.00x, 0.95x, 0.99x, and llama.cpp's 0.75 at K 8 within 1% of it for the 2-bit drafter. The
-first token is always drafted; a drafter with no confidence (n-gram, replayed synthetic drafts) is never stopped.
+ahead). The time per committed token with the rule, against this controller without it: Q4_1 drafter 0.975x and 0.978x
+(drafts of 5.1 tokens instead of 6.5, and 4.0 instead of 4.9), a 2-bit requantized one 0.972x and 0.995x; against the
+best fixed K 0.985x, 1.000x, 0.966x, 0.997x. llama.cpp's 0.75 at K 8 (the token below it drafted, then dropped) costs
+1.23x and 1.39x the rule's time with Q4_1, 0.99x and 1.28x with the 2-bit one. The first token is always drafted; a
+drafter with no confidence (n-gram, replayed synthetic drafts) is never stopped.
 """
 
 from __future__ import annotations
@@ -82,21 +88,32 @@ def confidence_bin(confidence: float) -> int:
 
 
 class DraftStop:
-    """One round's stopping rule: `take(confidence)` before each drafted token says whether to draft it."""
+    """One round's stopping rule. A drafter asks `take(confidence)` of each token it has drafted (or the device of
+    each token drafted ahead): whether it goes out; and `more()` before it drafts another: whether that is worth
+    the drafting. A token already drafted costs the round only its share of the step (`keep`), one not yet drafted
+    its drafting too (`threshold`); the next token's chance is taken as the average (`alpha`) until it is drafted
+    and its confidence known."""
 
-    def __init__(self, accept_chance: Callable[[float], float], threshold: float):
-        self.accept_chance, self.threshold = accept_chance, threshold
+    def __init__(self, accept_chance: Callable[[float], float], threshold: float, keep: float | None = None,
+                 alpha: float = 1.0):
+        self.accept_chance, self.threshold, self.alpha = accept_chance, threshold, alpha
+        self.keep = threshold if keep is None else min(keep, threshold)
         self.reach = 1.0  # chance that every token taken so far is accepted
         self.taken = 0
+        self.ended = False
 
     def take(self, confidence: float | None) -> bool:
         if confidence is None:
             return True
         reach = self.reach * self.accept_chance(confidence)
-        if self.taken and reach < self.threshold:
+        if self.ended or (self.taken and reach < self.keep):
+            self.ended = True
             return False
         self.reach, self.taken = reach, self.taken + 1
         return True
+
+    def more(self) -> bool:
+        return not self.ended and self.reach * self.alpha >= self.threshold
 
 
 class AdaptiveDraftLength:
@@ -119,6 +136,8 @@ class AdaptiveDraftLength:
         self.seen = [0.0] * (len(CONFIDENCE_EDGES) + 1)  # tokens drafted at each confidence, their prefix accepted
         self.hit = [0.0] * (len(CONFIDENCE_EDGES) + 1)  # of those, accepted
         self.threshold = 0.0  # DraftStop's: a token's marginal cost over the time one committed token costs
+        self.keep = 0.0  # the same for a token already drafted: its share of the step alone
+        self.alpha = 1.0  # the acceptance the thresholds were set at
 
     @classmethod
     def for_device(cls, max_draft_tokens: int, ahead: bool, confidence_stop: bool = True) -> AdaptiveDraftLength:
@@ -165,7 +184,7 @@ class AdaptiveDraftLength:
         """This round's rule for stopping a draft before K, or None (off, or too little learned yet)."""
         if not self.confidence_stop or self.threshold <= 0 or sum(self.seen) < self.CALIBRATION_MIN:
             return None
-        return DraftStop(self.accept_chance, self.threshold)
+        return DraftStop(self.accept_chance, self.threshold, self.keep, self.alpha)
 
     def acceptance(self) -> float:
         accepted = sum(s.accepted for s in self.samples)
@@ -198,10 +217,23 @@ class AdaptiveDraftLength:
             return rtt + hit * max(0.0, (k + 1) * t_draft - rtt) + (1 - hit) * k * t_draft
 
         k = max(range(self.k_min, self.k_max + 1), key=lambda k: tokens(k) / seconds(k))
-        # The stop rule's threshold: what one more drafted token adds to the round's time (its share of the step,
-        # and its drafting where that is not hidden by drafting ahead) over what one committed token costs at this
-        # K. Token i is worth drafting while P(it and all before it accepted) is at least that. With every token's
-        # chance at the average alpha, the rule ends the draft at about this K: at the best K, alpha^(K+1) is under
-        # the threshold and alpha^K over it. Confidence moves the end to where this draft's own tokens put it.
-        self.threshold = max(c, seconds(k + 1) - seconds(k)) * tokens(k) / seconds(k)
+        # The stop rule's thresholds: what one more token adds to the round's time (its share of the step, and its
+        # drafting where it is not drafted yet) over what one committed token costs at this K. A drafted token goes
+        # out while P(it and all before it accepted) is at least its threshold; another is drafted while that
+        # chance times the average acceptance is. With every token at the average alpha and a round's time linear
+        # in k (waiting), drafting ends at about this K: at the best K, alpha^(K+1) is under the threshold and
+        # alpha^K over it. Drafting ahead makes the round's time anything but linear in k (drafting is hidden up to
+        # the round trip, then not), so the marginal price can exceed alpha^K, even alpha^1: priced so, the rule
+        # ended the drafts at 1.6 tokens at 4 devices in the system benchmark (drafting at 24.5 ms/token) where the
+        # controller chose 4-8, 0.73x the best fixed K. So the threshold is capped at alpha^(K+1/2): a draft of
+        # average tokens reaches the chosen K, and confidence only ends the drafts whose own tokens are worse.
+        # A token already drafted is kept at its step share alone: ending a draft before a token that is drafted
+        # anyway (drafted ahead, or drafted to read its confidence) does not spare its drafting, only delays it
+        # to the next round, which then drafts it again.
+        rate = tokens(k) / seconds(k)
+        # The average token's chance in the rule's own terms (the confidence counts, not the recent rounds' alpha:
+        # the two can differ by more than a token's worth of slack, and then average drafts end early).
+        self.alpha = sum(self.hit) / sum(self.seen) if sum(self.seen) > 0 else alpha
+        self.threshold = min((c + t_draft) * rate, self.alpha ** (k + 1))
+        self.keep = min(c * rate, self.threshold)
         return k

@@ -350,7 +350,8 @@ class _Generation:
                     break
         self.result.ahead_rounds += 1
         self.result.ahead_tokens += len(proposal.token_ids)
-        if len(proposal.token_ids) < k and proposal.token_ids[-1] not in self.stop_ids:
+        if (len(proposal.token_ids) < k and proposal.token_ids[-1] not in self.stop_ids
+                and (stop is None or stop.more())):
             rest = await self._propose(self.context + proposal.token_ids, k - len(proposal.token_ids), stop)
             proposal = _join(proposal, rest)
         return proposal

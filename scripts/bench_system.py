@@ -86,12 +86,18 @@ class ReplayDrafter:
         elif self.confidence is not None:
             sure = self.confidence[len(context)]
         tokens = tokens[:k]
+        drafted = len(tokens)
         if sure is not None and stop is not None:
-            n = 0
-            while n < len(tokens) and stop.take(sure[n]):
+            n = drafted = 0
+            while n < len(tokens):
+                drafted += 1  # a token is drafted before its confidence is known
+                if not stop.take(sure[n]):
+                    break
                 n += 1
+                if not stop.more():
+                    break
             tokens = tokens[:n]
-        time.sleep(self.spt * len(tokens))
+        time.sleep(self.spt * drafted)
         return Proposal(list(tokens), confidence=None if sure is None else list(sure[:len(tokens)]))
 
     def accept(self, context, ahead=()):

@@ -42,10 +42,13 @@ def replay(recordings, model, k=None, p_min=None, confidence_stop=True, passes=2
                 tokens, sure = table[n], confidence[n]
                 kk = min(k or ctrl.k, len(tokens))  # a proposal ends early at the drafter's end of text
                 rule = ctrl.stop_rule() if k is None else None
-                d = kk
+                d = made = kk
                 for i in range(kk):  # the first token always goes: p_min from the second, and take() says yes
                     if (i and p_min is not None and sure[i] < p_min) or (rule is not None and not rule.take(sure[i])):
-                        d = i
+                        d, made = i, i + 1  # drafted to read its confidence, then dropped
+                        break
+                    if rule is not None and not rule.more():
+                        d = made = i + 1
                         break
                 accepted = 0
                 while accepted < d and n + accepted < len(full) and tokens[accepted] == full[n + accepted]:
@@ -53,9 +56,9 @@ def replay(recordings, model, k=None, p_min=None, confidence_stop=True, passes=2
                 gained = min(accepted + 1, len(full) - n)
                 n += gained
                 rtt = fixed_s + token_s * (d + 1)
-                ctrl.observe(RoundSample(d, accepted, draft_s * d, rtt, token_s, confidence=tuple(sure[:d])))
+                ctrl.observe(RoundSample(d, accepted, draft_s * made, rtt, token_s, confidence=tuple(sure[:d])))
                 if last:
-                    cost += rtt + draft_s * d
+                    cost += rtt + draft_s * made
                     committed += gained
                     drafted += d
                     rounds += 1

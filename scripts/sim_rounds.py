@@ -9,6 +9,10 @@ probability `match` (independently, as the target's greedy text is fixed), draft
 verified (finishing the token in progress when the verdict comes, as edge_client.generation does), and chooses K
 with the real edge_client.adaptive controller, fed what a device measures. The figures are the model's, not a
 measurement: the point is the controller's choice against fixed K under the same model, fast and repeatable.
+
+With `--confidence`, each drafted token also carries the drafter's confidence, drawn from a mix of kinds (share,
+confidence, chance it is right), and the controller's confidence stop rule ends drafts as on a device: it is asked
+before a token is drafted now, and again, with the token's confidence, whether each drafted token goes out.
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ class Regime:
     max_wait_s: float = 0.003  # the server's batching window
     net_s: float = 0.0005  # one way
     step_session_s: float = 0.0  # and per session in the step (per-segment launches and bookkeeping)
+    # The drafter's tokens as kinds (share, confidence, chance the token is right), or None: no confidence, each
+    # token right with probability `match`.
+    confidence: tuple[tuple[float, float, float], ...] | None = None
+
+    def draw(self, rng: random.Random) -> tuple[float, bool]:
+        """One drafted token's confidence and whether it is the target's."""
+        x = rng.random()
+        for share, sure, right in self.confidence:
+            if x < share:
+                return sure, rng.random() < right
+            x -= share
+        sure, right = self.confidence[-1][1:]
+        return sure, rng.random() < right
 
 
 @dataclass
@@ -51,15 +68,20 @@ class _Device:
     server: float = 0.0  # the server's marginal token cost, as its last verdict reported it
     sessions: int = 1  # sessions in the step that verified its last draft
     ks: list[int] = field(default_factory=list)
+    # With confidence: the drafter's tokens past the committed context as (confidence, right), drawn as needed;
+    # the same tokens whether drafted now or ahead, until a verdict corrects the text.
+    upcoming: list[tuple[float, bool]] = field(default_factory=list)
+    sure: tuple[float, ...] | None = None  # the confidence of each token in the draft out now
 
 
 def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0, warmup_s: float = 3.0,
-             k_max: int = 8, ahead: bool = True, seed: int = 0) -> dict:
+             k_max: int = 8, ahead: bool = True, seed: int = 0, confidence_stop: bool = True) -> dict:
     """Committed tokens per second of `devices` devices over `seconds` after `warmup_s`, with fixed K = k or the
-    adaptive controller (k=None)."""
+    adaptive controller (k=None; its confidence stop rule used where the regime has confidence, unless
+    confidence_stop is off)."""
     r = regime
     rng = random.Random(seed)
-    devs = [_Device(k, None if k is not None else AdaptiveDraftLength.for_device(k_max, ahead),
+    devs = [_Device(k, None if k is not None else AdaptiveDraftLength.for_device(k_max, ahead, confidence_stop),
                     random.Random(rng.random())) for _ in range(devices)]
     events: list[tuple[float, int, str, int]] = []
     seq = 0
@@ -77,9 +99,25 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
     def begin_round(d: int, now: float) -> None:
         dev = devs[d]
         kk = dev.k if dev.k is not None else dev.ctrl.k
+        if r.confidence is None:
+            fresh = max(0, kk - dev.carry)
+        else:
+            rule = dev.ctrl.stop_rule() if dev.ctrl is not None else None
+            fresh, taken = 0, 0
+            for i in range(kk):
+                while len(dev.upcoming) <= i:
+                    dev.upcoming.append(r.draw(dev.rng))
+                if i >= dev.carry:  # drafted now (its confidence known once it is), if worth drafting
+                    if rule is not None and i and not rule.more():
+                        break
+                    fresh += 1
+                if rule is not None and not rule.take(dev.upcoming[i][0]):
+                    break
+                taken += 1
+            kk = taken
+            dev.sure = tuple(c for c, _ in dev.upcoming[:kk])
         dev.round_start, dev.drafted = now, kk
         dev.ks.append(kk)
-        fresh = max(0, kk - dev.carry)
         dev.carry = 0
         at(now + fresh * r.draft_s, "send", d)
 
@@ -138,8 +176,12 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             dev = devs[d]
             kk = dev.drafted
             accepted = 0
-            while accepted < kk and dev.rng.random() < r.match:
-                accepted += 1
+            if r.confidence is None:
+                while accepted < kk and dev.rng.random() < r.match:
+                    accepted += 1
+            else:
+                while accepted < kk and dev.upcoming[accepted][1]:
+                    accepted += 1
             # Drafting ahead from `sent`: tokens made by now, the one in progress finished before going on.
             made = 0
             resume = now
@@ -148,13 +190,24 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
                 if made < k_max + 1 and now > dev.sent:
                     made += 1
                     resume = max(now, dev.sent + made * r.draft_s)
-            if accepted == kk and made > 1 and dev.rng.random() < r.match:
-                dev.carry = made - 1
+            if r.confidence is None:
+                if accepted == kk and made > 1 and dev.rng.random() < r.match:
+                    dev.carry = made - 1
+            else:
+                # The bonus token is the drafter's next one when that was right: its tokens past it stand, and
+                # those drafted ahead go out next. Any other verdict corrects the text: the drafter starts afresh.
+                while len(dev.upcoming) <= kk:
+                    dev.upcoming.append(r.draw(dev.rng))
+                if accepted == kk and dev.upcoming[kk][1]:
+                    dev.upcoming = dev.upcoming[kk + 1:]
+                    dev.carry = max(made - 1, 0)
+                else:
+                    dev.upcoming = []
             if warmup_s <= now:
                 dev.tokens += accepted + 1
             if dev.ctrl is not None:
                 dev.ctrl.observe(RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server,
-                                             r.draft_s, dev.sessions))
+                                             r.draft_s, dev.sessions, dev.sure))
             begin_round(d, resume)
     total = sum(dv.tokens for dv in devs)
     ks = [x for dv in devs for x in dv.ks]
@@ -179,7 +232,20 @@ def main() -> int:
     ap.add_argument("--draft-ms", type=float, default=16.8, help="drafting time per token (default 16.8)")
     ap.add_argument("--match", type=float, default=0.98, help="probability a drafted token is right (default 0.98)")
     ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds per run (default 30)")
+    ap.add_argument("--confidence", metavar="SHARE:CONF:RIGHT,...",
+                    help="drafted tokens as kinds, e.g. 0.75:0.9:0.99,0.25:0.3:0.75 (instead of --match): the stop "
+                         "rule then ends drafts on the drafter's confidence")
     args = ap.parse_args()
+    confidence = None
+    if args.confidence:
+        try:
+            confidence = tuple(tuple(float(x) for x in kind.split(":")) for kind in args.confidence.split(","))
+        except ValueError:
+            ap.error(f"--confidence must be SHARE:CONF:RIGHT,..., got {args.confidence!r}")
+        if any(len(kind) != 3 or not all(0 <= x <= 1 for x in kind) for kind in confidence):
+            ap.error("--confidence: each kind is three numbers in [0, 1], SHARE:CONF:RIGHT")
+        if abs(sum(kind[0] for kind in confidence) - 1) > 1e-6:
+            ap.error("--confidence: the shares must add up to 1")
     for name in ("step_fixed_ms", "step_token_ms", "step_session_ms", "draft_ms", "seconds"):
         if getattr(args, name) < 0 or (name in ("draft_ms", "seconds") and getattr(args, name) == 0):
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -192,7 +258,7 @@ def main() -> int:
     if any(n < 1 for n in counts):
         ap.error("--devices must be positive")
     regime = Regime(args.step_fixed_ms / 1000, args.step_token_ms / 1000, args.draft_ms / 1000, args.match,
-                    step_session_s=args.step_session_ms / 1000)
+                    step_session_s=args.step_session_ms / 1000, confidence=confidence)
     print("| devices | K=2 | K=4 | K=8 | adaptive (mean K) | adaptive / best fixed |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in counts:

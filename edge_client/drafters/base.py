@@ -43,8 +43,9 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], k: int, stop=None) -> Proposal:
         """Up to k tokens that continue `context` (the committed tokens). A drafter that reports its confidence
-        asks `stop.take(confidence)` (edge_client.adaptive.DraftStop) before each token, if a stop is given, and
-        ends the draft where it says no; one without confidence ignores it."""
+        asks `stop.take(confidence)` (edge_client.adaptive.DraftStop) of each token it drafts, if a stop is given,
+        and `stop.more()` before drafting the next, and ends the draft where either says no; one without confidence
+        ignores it."""
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
         """The verdict is in and `context` is committed: drop any state past what agrees with it. `ahead` are

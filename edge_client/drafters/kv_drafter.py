@@ -98,7 +98,7 @@ class KVDrafter:
                 q_probs.append(probs)
             tokens.append(x)
             confidence.append(sure)
-            if x == self.eos:
+            if x == self.eos or (stop is not None and not stop.more()):
                 break
             if i < k - 1:
                 self._feed([x])
