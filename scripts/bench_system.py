@@ -59,7 +59,8 @@ from edge_client.generation import generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import ServerProcess, device_tokenizer, gpu_name, machine, publish  # noqa: E402
+from scripts.benchutil import (ServerProcess, cpu_counters, device_tokenizer, gpu_name, machine, publish,  # noqa: E402
+                               stolen_share)
 
 
 class ReplayDrafter:
@@ -206,6 +207,7 @@ class Window:
     before: object
     after: object
     opened_s: float = 0.0
+    stolen: float | None = None  # the share of the host's CPU time the hypervisor took during the window
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -250,17 +252,19 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         while not all(first_commit) and time.perf_counter() - t0 < MAX_OPEN_WAIT_S:
             await asyncio.sleep(0.01)
         before = (await client.info()).stats
+        ticks = cpu_counters()
         start = time.perf_counter()
         end = start + seconds
         await asyncio.sleep(seconds)
-        return before, (await client.info()).stats, start - t0
+        return before, (await client.info()).stats, start - t0, stolen_share(ticks, cpu_counters())
 
     try:
         done = await asyncio.gather(window(), *[device(d) for d in range(n)])
     finally:
         await client.close()
-    before, after, opened_s = done[0]
-    return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s)
+    before, after, opened_s, stolen = done[0]
+    return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s,
+                  stolen)
 
 
 def summarize(mode, n, w: Window):
@@ -285,6 +289,7 @@ def summarize(mode, n, w: Window):
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
         "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
         "window_opened_s": w.opened_s,
+        "host_cpu_stolen_share": w.stolen,
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
         "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
     }
@@ -354,6 +359,7 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
     for (n, mode), done in runs.items():
         row = dict(sorted(done, key=lambda r: r["system_tokens_per_s"])[(len(done) - 1) // 2])
         row["repeats_system_tokens_per_s"] = [r["system_tokens_per_s"] for r in done]
+        row["repeats_host_cpu_stolen_share"] = [r.get("host_cpu_stolen_share") for r in done]
         if mode != "server-only":
             base = [r["system_tokens_per_s"] for r in runs[(n, "server-only")]]
             row["repeats_ratio_to_server_only"] = [ratio(r["system_tokens_per_s"], b) for r, b in zip(done, base)]
@@ -437,7 +443,23 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
     return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
-            "overhead": overhead, "bound": bound}
+            "overhead": overhead, "bound": bound, "stolen": stolen_line(rows + adaptive_rows + waiting_rows)}
+
+
+def stolen_line(rows: list[dict]) -> str:
+    """A line on the host CPU time the hypervisor took during the windows (steal), over every run of every
+    configuration: the median and the highest run, or '' where /proc/stat gave none."""
+    runs = {}
+    for r in rows:
+        for rep, x in enumerate(r.get("repeats_host_cpu_stolen_share") or []):
+            if x is not None:
+                runs[(r["devices"], r["mode"], rep)] = x
+    if not runs:
+        return ""
+    (n, mode, rep), top = max(runs.items(), key=lambda kv: kv[1])
+    return (f"- host CPU time taken by the hypervisor (steal, /proc/stat) during the windows: median "
+            f"{float(np.median(list(runs.values()))):.1%} over {len(runs)} runs, highest {top:.1%} ({n} devices, "
+            f"{mode}, pass {rep + 1}); per run in the JSON (`host_cpu_stolen_share`)\n")
 
 
 def main() -> int:
@@ -614,7 +636,7 @@ def main() -> int:
 
     t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
-    capacity, verdicts, overhead, bound = t["capacity"], t["verdicts"], t["overhead"], t["bound"]
+    capacity, verdicts, overhead, bound, stolen = t["capacity"], t["verdicts"], t["overhead"], t["bound"], t["stolen"]
     gpu = gpu_name()
     # A GPU run has its own section, so that it does not replace this machine's CPU figures.
     heading = ("## GPU system benchmark" if gpu else "## System benchmark") + (f", {args.label}" if args.label else "")
@@ -654,7 +676,8 @@ def main() -> int:
         + ("- a warm-up pass ran every configuration once before the counted ones\n" if args.warmup_pass else "")
         + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
-        "below likewise give adaptive / the best fixed K of each pass)\n\n"
+        "below likewise give adaptive / the best fixed K of each pass)\n"
+        + stolen + "\n"
         + "\n".join(lines) + "\n\n" + bound + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "

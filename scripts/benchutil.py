@@ -35,6 +35,28 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
 
 
+def cpu_counters() -> tuple[int, int] | None:
+    """This host's CPU time over all its CPUs from /proc/stat, as (stolen, total) in clock ticks, or None where
+    there is none. Stolen time is what a virtual machine's CPUs were ready to run but the hypervisor ran someone
+    else: on a shared host it is one visible part of the noise between benchmark runs."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice]: guest time is already in user and nice.
+    return ticks[7], sum(ticks[:8])
+
+
+def stolen_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the CPU time between two cpu_counters() readings that the hypervisor took."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def gpu_name() -> str | None:
     """The first CUDA device's name, or None (also when torch is missing)."""
     try:

@@ -94,3 +94,31 @@ def test_adaptive_verdict_pairs_each_pass_with_the_best_fixed_k_of_that_pass():
     # best fixed K by its median run: K=4 (150) over K=8 (120) and K=2 (100); per pass 150/160, 90/100, 160/150
     assert t["verdicts"] == ["4 devices: adaptive 150.0 tok/s vs best fixed K=4 150.0 (1.00x); "
                              "pass by pass 0.94x, 0.90x, 1.07x, median 0.94x"]
+
+
+def test_the_stolen_line_gives_the_median_and_the_worst_run_with_its_pass():
+    runs = synthetic_runs()
+    for (n, mode), done in runs.items():
+        for r in done:  # 1% everywhere, but 30% on 16 devices' K=8 run of the second pass (repeat 1)
+            r["host_cpu_stolen_share"] = 0.30 if (n, mode, r["repeat"]) == (16, "8", 1) else 0.01
+    rows, adaptive_rows, waiting_rows = pick_medians(runs)
+    rows += [device_only(4), device_only(16)]
+    t = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)
+    # 2 counts x 6 configurations x 3 passes
+    assert t["stolen"].startswith("- host CPU time taken by the hypervisor (steal, /proc/stat) during the windows: "
+                                  "median 1.0% over 36 runs, highest 30.0% (16 devices, sled-k8, pass 2)")
+
+
+def test_no_stolen_counts_give_no_stolen_line():
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    rows += [device_only(4), device_only(16)]
+    assert report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)["stolen"] == ""
+
+
+def test_stolen_share_is_the_steal_ticks_over_all_ticks_between_two_readings():
+    from scripts.benchutil import cpu_counters, stolen_share
+
+    now = cpu_counters()
+    assert now is None or (0 <= now[0] <= now[1])  # Linux: (steal, total) in ticks
+    assert stolen_share((100, 1000), (130, 1300)) == pytest.approx(0.1)
+    assert stolen_share(None, (130, 1300)) is None and stolen_share((100, 1000), (100, 1000)) is None

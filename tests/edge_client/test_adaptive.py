@@ -147,8 +147,10 @@ def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_r
 
 
 def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_ahead_is_done():
-    """The verdict comes after 5 ms while the drafter spends 60 ms on each token it drafts ahead: the round trip
-    the controller learns is the server's, not the server's plus the rest of the token in progress."""
+    """The verdict comes after 5 ms while the drafter spends 200 ms on each token it drafts ahead: the round trip
+    the controller learns is the server's, not the server's plus the rest of the token in progress (which would
+    make it about 200 ms; the bound leaves room for a loaded machine's scheduling, which once took a bound of
+    40 ms against a 60 ms token)."""
     import asyncio
     import time as clock
 
@@ -157,7 +159,7 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
 
     class Slow(TableDrafter):
         def propose(self, context, k, stop=None):
-            clock.sleep(0.06 * k)
+            clock.sleep(0.2 * k)
             return super().propose(context, k, stop)
 
     seen: list[RoundSample] = []
@@ -169,4 +171,4 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
 
     asyncio.run(generate(FakeClient(0, 0.005, max_tokens=8, target=P_GREEDY), Slow(cycle(2, 3, 1, 0)), TOKENIZER,
                          PROMPT, max_tokens=8, draft_ahead=True, controller=Watching(k_max=2, k_initial=2, ahead=True)))
-    assert seen and all(s.rtt_s < 0.04 for s in seen), [round(s.rtt_s, 3) for s in seen]
+    assert seen and all(s.rtt_s < 0.1 for s in seen), [round(s.rtt_s, 3) for s in seen]

@@ -241,7 +241,11 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
             assert key in r, (r["mode"], key)
     sled = next(r for r in rows if r["mode"] == "sled")
     assert sled["devices"] == 1 and sled["system_tokens_per_s"] > 0 and 0 < sled["acceptance_rate"] <= 1
+    # Linux: every run measured the steal share of its window
+    assert all(0.0 <= x <= 1.0 for x in sled["repeats_host_cpu_stolen_share"]), sled["repeats_host_cpu_stolen_share"]
     text = md.read_text()
+    assert re.search(r"- host CPU time taken by the hypervisor \(steal, /proc/stat\) during the windows: median "
+                     r"[\d.]+% over \d+ runs, highest [\d.]+% \(1 devices, ", text)
     assert "## Engine speed: kept\n\nother section" in text  # another script's section is left as it was
     assert "## System benchmark: SLED vs server-only vs device-only" in text
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
