@@ -83,7 +83,7 @@ static inline vf splat(const float *s) {
 }
 
 static inline float hsum(vf v) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && SLED_VBYTES == 64  /* not for a narrower width forced with -D on an AVX-512 CPU */
     return _mm512_reduce_add_ps((__m512)v);
 #else
     float s = 0.f;
