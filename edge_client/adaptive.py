@@ -15,8 +15,16 @@ earlier form) kept K at 8 at a saturated CPU server where shorter drafts commit 
 scripts/sim_rounds.py's model of this machine's server at 32 devices (20 ms a step + 2.9 ms a token, match 0.94)
 gave 0.92x of the best fixed K before, 0.98x after (tests/test_sim_rounds.py). In the system benchmark one run
 had K = 2 best at 32 devices (235.8 tok/s against adaptive's 217.4 at K 7.9); the next, with this change, had K = 8
-best, and adaptive stayed near K 7.8: no measurable effect there. A round trip under saturation spans more than
-one step, each growing with the others' K, which this model still counts as fixed.
+best, and adaptive stayed near K 7.8: no measurable effect there.
+
+A round trip at a busy server spans more than its own step: the draft first waits through the steps before it
+(the server reports that wait, Verdict.queue_ms, from the draft's arrival to the end of the step before its own),
+and every other device's K lengthens those steps as much. So c is multiplied by the round trip's steps: one plus
+the queue wait in units of the step (at a saturated server two groups of sessions take turns, and a round trip is
+about two steps). Counted as fixed (the earlier form), that half of the round trip kept drafts near 6 tokens at 32
+devices where the whole system commits the most at K = 2: the system benchmark found adaptive at 0.83x the best
+fixed K in its passes with little steal, sim_rounds 0.91-0.94x; with the wait counted, 1.01x there
+(tests/test_sim_rounds.py).
 
 With drafting ahead (the device drafts on while its draft is verified), a round that is accepted whole with the
 bonus token the drafter guessed (probability about alpha^(k+1)) leaves the next draft made during the round
@@ -77,6 +85,8 @@ class RoundSample:
     draft_token_s: float | None = None  # the drafter's time per token over all its drafting, ahead included
     step_sessions: int = 1  # sessions in the step that verified this draft (0, from a server that sends none: 1)
     confidence: tuple[float, ...] | None = None  # the drafter's confidence in each drafted token, if it has one
+    step_s: float = 0.0  # the wall time of the step that verified this draft (0: not reported)
+    queue_s: float = 0.0  # how long the draft waited at the server for that step to start
 
 
 # Confidence bins, by their upper edges: [0, 0.1), [0.1, 0.2), ... [0.9, 0.95), [0.95, 1].
@@ -201,7 +211,10 @@ class AdaptiveDraftLength:
         else:
             t_draft = sum(s.draft_s for s in self.samples) / sum(s.drafted for s in self.samples)
         sessions = sum(max(s.step_sessions, 1) for s in self.samples) / len(self.samples)
-        c = sessions * sum(s.server_token_s for s in self.samples) / len(self.samples)
+        # Steps a round trip waits through: its own, and the time it queued for it in units of a step (the steps
+        # before it, which every other device's K lengthens as much).
+        spans = sum(1.0 + (s.queue_s / s.step_s if s.step_s > 0 else 0.0) for s in self.samples) / len(self.samples)
+        c = spans * sessions * sum(s.server_token_s for s in self.samples) / len(self.samples)
         fixed = max(0.0, sum(s.rtt_s - c * (s.drafted + 1) for s in self.samples) / len(self.samples))
 
         def tokens(k: int) -> float:  # committed by a round that drafts k

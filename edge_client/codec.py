@@ -34,6 +34,7 @@ class Verdict:
     step_tokens: int = 0
     step_sessions: int = 0
     token_ms: float = 0.0  # the server's marginal cost of one more token
+    queue_ms: float = 0.0  # how long the draft waited at the server through earlier steps
 
 
 def open_message(context: list[int], sampling: SamplingParams, max_tokens: int, fingerprint: str,
@@ -72,4 +73,5 @@ def verdict_from(msg: pb.ServerMessage) -> Verdict:
         raise ValueError(f"expected Verdict from the server, got {msg.WhichOneof('kind')}")
     v = msg.verdict
     return Verdict(v.round, v.n_accepted, v.next_token if v.HasField("next_token") else None, v.finished,
-                   FINISH_REASONS.get(v.finish_reason), v.step_ms, v.step_tokens, v.step_sessions, v.token_ms)
+                   FINISH_REASONS.get(v.finish_reason), v.step_ms, v.step_tokens, v.step_sessions, v.token_ms,
+                   v.queue_ms)

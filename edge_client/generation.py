@@ -311,7 +311,8 @@ class _Generation:
                                                   self.verdict_at - t_sent, per_token,
                                                   spent / drafted if drafted else None,
                                                   verdict.step_sessions,
-                                                  None if proposal.confidence is None else tuple(proposal.confidence)))
+                                                  None if proposal.confidence is None else tuple(proposal.confidence),
+                                                  verdict.step_ms / 1000.0, verdict.queue_ms / 1000.0))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted

@@ -7,7 +7,8 @@ The server runs one step at a time: it starts when every device's draft is waiti
 part; a CPU: a large per-token part). Each device drafts at `draft_ms` per token, each drafted token right with
 probability `match` (independently, as the target's greedy text is fixed), drafts ahead while its draft is
 verified (finishing the token in progress when the verdict comes, as edge_client.generation does), and chooses K
-with the real edge_client.adaptive controller, fed what a device measures. The figures are the model's, not a
+with the real edge_client.adaptive controller, fed what a device measures and its verdicts report (the step's time,
+sessions and token cost, and how long the draft waited through earlier steps). The figures are the model's, not a
 measurement: the point is the controller's choice against fixed K under the same model, fast and repeatable.
 
 With `--confidence`, each drafted token also carries the drafter's confidence, drawn from a mix of kinds (share,
@@ -67,6 +68,9 @@ class _Device:
     drafted: int = 0
     server: float = 0.0  # the server's marginal token cost, as its last verdict reported it
     sessions: int = 1  # sessions in the step that verified its last draft
+    arrived: float = 0.0  # when its draft reached the server
+    queue: float = 0.0  # how long that draft waited through earlier steps (the server's Verdict.queue_ms)
+    step: float = 0.0  # and that step's time
     ks: list[int] = field(default_factory=list)
     # With confidence: the drafter's tokens past the committed context as (confidence, right), drawn as needed;
     # the same tokens whether drafted now or ahead, until a verdict corrects the text.
@@ -141,6 +145,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
         begin_round(d, rng.random() * r.draft_s)
     end = warmup_s + seconds
     batch: list[int] = []
+    last_done = 0.0  # when the last step ended
     while events:
         now, _, kind, d = heapq.heappop(events)
         if now > end:
@@ -149,6 +154,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             devs[d].sent = now
             at(now + r.net_s, "arrive", d)
         elif kind == "arrive":
+            devs[d].arrived = now
             pending.append((now, d))
             schedule(now)
         elif kind == "start":
@@ -159,12 +165,14 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             pending.clear()
             tokens = sum(devs[dv].drafted + 1 for dv in batch)
             cost = r.step_fixed_s + r.step_token_s * tokens + r.step_session_s * len(batch)
+            for dv in batch:  # the wait that fell on earlier steps (not on the batching window)
+                devs[dv].queue, devs[dv].step = max(0.0, last_done - devs[dv].arrived), cost
             last_steps.append((cost, tokens))
             del last_steps[:-16]
             busy_until = now + cost
             at(busy_until, "done")
         elif kind == "done":
-            busy_until = None
+            busy_until, last_done = None, now
             c = token_cost()
             for dv in batch:
                 at(now + r.net_s, "verdict", dv)
@@ -207,7 +215,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
                 dev.tokens += accepted + 1
             if dev.ctrl is not None:
                 dev.ctrl.observe(RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server,
-                                             r.draft_s, dev.sessions, dev.sure))
+                                             r.draft_s, dev.sessions, dev.sure, dev.step, dev.queue))
             begin_round(d, resume)
     total = sum(dv.tokens for dv in devs)
     ks = [x for dv in devs for x in dv.ks]

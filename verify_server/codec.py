@@ -92,7 +92,7 @@ _REASONS = {STOP: pb.FINISH_REASON_STOP, LENGTH: pb.FINISH_REASON_LENGTH, None: 
 def verdict_to_pb(v: Verdict) -> pb.ServerMessage:
     msg = pb.Verdict(round=v.round, n_accepted=v.n_accepted, finished=v.finished,
                      finish_reason=_REASONS[v.finish_reason], step_ms=v.step_ms, step_tokens=v.step_tokens,
-                     step_sessions=v.step_sessions, token_ms=v.token_ms)
+                     step_sessions=v.step_sessions, token_ms=v.token_ms, queue_ms=v.queue_ms)
     if v.next_token is not None:
         msg.next_token = v.next_token
     return pb.ServerMessage(verdict=msg)

@@ -63,6 +63,7 @@ class Engine:
         self._step_costs: collections.deque[tuple[int, float]] = collections.deque()  # (tokens, seconds), last 256
         self._cost_sums = [0.0] * 5  # n, sum t, sum y, sum t*t, sum t*y over _step_costs
         self.token_ms = 0.0
+        self._last_step_end = 0.0  # time.monotonic() when the last step ended
 
     # ---- API for any thread: messages to the worker, answered through `reply` ----
 
@@ -70,7 +71,7 @@ class Engine:
         self._inbox.put(("open", request, reply))
 
     def verify(self, session_id: str, draft: DraftRequest, reply: Reply) -> None:
-        self._inbox.put(("verify", (session_id, draft), reply))
+        self._inbox.put(("verify", (session_id, draft, time.monotonic()), reply))
 
     def close(self, session_id: str) -> None:
         self._inbox.put(("close", session_id, None))
@@ -243,7 +244,7 @@ class Engine:
         self.metrics.active_sessions.set(len(self._sessions))
         return session
 
-    def _enqueue_verify(self, session_id: str, draft: DraftRequest, reply: Reply) -> None:
+    def _enqueue_verify(self, session_id: str, draft: DraftRequest, arrived: float, reply: Reply) -> None:
         session = self._sessions.get(session_id)
         if session is None:
             why = self._expired.get(session_id, "it was never opened on this server or was closed")
@@ -258,7 +259,7 @@ class Engine:
         if bad:
             raise invalid(f"draft token id {bad[0]} out of range: the target vocabulary has {self.vocab_size} tokens")
         session.last_active = time.monotonic()
-        self._pending.append(VerifyWork(session, draft, reply))
+        self._pending.append(VerifyWork(session, draft, reply, arrived=arrived))
 
     def _close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
@@ -310,12 +311,18 @@ class Engine:
             p.session.kv_len += p.length
             if p.session.prefilled:
                 self.prefix_cache.observe(p.session.slot, p.session.tokens, p.session.kv_len)
-        step = time.monotonic() - t0
+        end = time.monotonic()
+        step = end - t0
         self._record_cost(int(inp.token_ids.numel()), forward)
         load = {"step_ms": step * 1000.0, "step_tokens": int(inp.token_ids.numel()),
                 "step_sessions": len(plan.verifies), "token_ms": self.token_ms}
         for work, verdict in zip(plan.verifies, verdicts):
-            work.reply(dataclasses.replace(verdict, **load) if isinstance(verdict, Verdict) else verdict)
+            # The draft's wait through earlier steps (from its arrival to the end of the last one), not the
+            # batching window: the part of its round trip that the other sessions' drafts lengthen.
+            queue_ms = max(0.0, self._last_step_end - work.arrived) * 1000.0
+            work.reply(dataclasses.replace(verdict, **load, queue_ms=queue_ms) if isinstance(verdict, Verdict)
+                       else verdict)
+        self._last_step_end = end
         self.metrics.record_step(len(plan.verifies), sum(p.length for p in plan.prefills), step,
                                  [t0 - w.enqueued for w in plan.verifies], forward)
 

@@ -14,7 +14,12 @@ class VerifyWork:
     session: Session
     draft: DraftRequest
     reply: object  # callable(result or exception), resolves the waiting handler
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float = field(default_factory=time.monotonic)  # taken in by the worker: its batching window starts
+    arrived: float | None = None  # handed to the engine (time.monotonic()), perhaps during a step; None: enqueued
+
+    def __post_init__(self) -> None:
+        if self.arrived is None:
+            self.arrived = self.enqueued
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Verdict:
     step_tokens: int = 0
     step_sessions: int = 0
     token_ms: float = 0.0
+    queue_ms: float = 0.0  # the draft's wait through earlier steps before its own
 
 
 @dataclass

@@ -172,3 +172,44 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
     asyncio.run(generate(FakeClient(0, 0.005, max_tokens=8, target=P_GREEDY), Slow(cycle(2, 3, 1, 0)), TOKENIZER,
                          PROMPT, max_tokens=8, draft_ahead=True, controller=Watching(k_max=2, k_initial=2, ahead=True)))
     assert seen and all(s.rtt_s < 0.1 for s in seen), [round(s.rtt_s, 3) for s in seen]
+
+
+def test_the_controller_learns_the_step_time_and_the_queue_wait_each_verdict_reports():
+    import asyncio
+
+    from edge_client.generation import generate
+    from tests.edge_client.test_draft_ahead import P_GREEDY, PROMPT, TOKENIZER, FakeClient, TableDrafter, cycle
+
+    seen: list[RoundSample] = []
+
+    class Watching(AdaptiveDraftLength):
+        def observe(self, sample):
+            seen.append(sample)
+            super().observe(sample)
+
+    asyncio.run(generate(FakeClient(0, 0.001, max_tokens=8, target=P_GREEDY), TableDrafter(cycle(2, 3, 1, 0)),
+                         TOKENIZER, PROMPT, max_tokens=8, controller=Watching(k_max=2, k_initial=2)))
+    # The fake server reports a 4 ms step that the draft queued 6 ms for.
+    assert seen and all(s.step_s == pytest.approx(0.004) and s.queue_s == pytest.approx(0.006) for s in seen)
+
+
+def test_a_round_trip_that_queues_through_other_steps_counts_their_growth_too():
+    """A saturated server: each draft waits through the step before its own (a round trip of about two steps), and
+    every device's K lengthens both, so one more token of K costs the round trip twice what it costs one step.
+    Priced at one step (the earlier form, which is what a controller that is not told the queue wait does), 16
+    sessions at 20 ms + 4.3 ms a token with acceptance about 0.9 keep K at 8 here, where the whole system commits
+    the most at K 2 (in scripts/sim_rounds.py at 32 devices: K near 6, 0.91-0.94x of the best fixed K; 1.01x with
+    the queue counted; tests/test_sim_rounds.py)."""
+    def k_after(queue_reported):
+        ctrl = AdaptiveDraftLength(k_max=8, k_initial=8, ahead=True)
+        for i in range(16):
+            k = ctrl.k
+            step = 0.020 + 16 * 0.0043 * (k + 1)
+            accepted = k if i % 4 else k // 2  # about 0.9 a token
+            ctrl.observe(RoundSample(k, accepted, 0.0, 2 * step + 0.002, 0.0043, 0.034, 16,
+                                     step_s=step, queue_s=step if queue_reported else 0.0))
+        return ctrl.k
+
+    blind, told = k_after(False), k_after(True)
+    assert told < blind, (told, blind)
+    assert told <= 3, told

@@ -123,7 +123,8 @@ class FakeSession:
         if out is not None:
             self.context.append(out)
         self.left -= n + (out is not None)
-        return codec.Verdict(round_, n, out, self.left <= 0, "length" if self.left <= 0 else None, token_ms=1.0)
+        return codec.Verdict(round_, n, out, self.left <= 0, "length" if self.left <= 0 else None, token_ms=1.0,
+                             step_ms=4.0, queue_ms=6.0)
 
     async def close(self):
         pass

@@ -1,0 +1,38 @@
+"""The verdict's queue_ms: how long a draft waited through earlier steps, which the devices' draft-length
+controllers count as part of their round trip that the other devices' drafts lengthen."""
+
+import pytest
+
+from verify_server.config import ServerConfig
+from verify_server.engine import Engine
+from verify_server.sessions import DraftRequest, OpenRequest, SamplingParams, Verdict
+
+pytestmark = pytest.mark.model
+
+
+def test_a_draft_that_arrives_during_a_step_reports_that_wait_and_one_that_arrives_idle_reports_none(target):
+    engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128), target)  # driven here, no worker thread
+    replies = []
+    for prompt in ((1, 2, 3, 4), (5, 6, 7, 8)):
+        engine.open(OpenRequest(prompt, SamplingParams(), 16, frozenset()), replies.append)
+    engine._drain(0)
+    while engine._prefilling():
+        engine.step()
+    first, second = replies
+    verdicts = {}
+
+    def draft(session, token):
+        engine.verify(session.id, DraftRequest(1, (token,), None, None), lambda v, s=session.id: verdicts.setdefault(s, v))
+
+    draft(first, 9)  # arrives with the server idle
+    engine._drain(0)
+    draft(second, 9)  # arrives before that step, but is not taken into it (the worker has not drained it)
+    engine.step()
+    engine._drain(0)
+    engine.step()
+    a, b = verdicts[first.id], verdicts[second.id]
+    assert isinstance(a, Verdict) and isinstance(b, Verdict)
+    assert a.step_sessions == 1 and b.step_sessions == 1
+    assert a.queue_ms == 0.0
+    # It waited through the whole of the first step (it arrived before that began), and not much past its end.
+    assert a.step_ms <= b.queue_ms < a.step_ms + 1000.0
