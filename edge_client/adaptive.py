@@ -22,9 +22,9 @@ A round trip at a busy server spans more than its own step: the draft first wait
 and every other device's K lengthens those steps as much. So c is multiplied by the round trip's steps: one plus
 the queue wait in units of the step (at a saturated server two groups of sessions take turns, and a round trip is
 about two steps). Counted as fixed (the earlier form), that half of the round trip kept drafts near 6 tokens at 32
-devices where the whole system commits the most at K = 2: the system benchmark found adaptive at 0.83x the best
-fixed K in its passes with little steal, sim_rounds 0.91-0.94x; with the wait counted, 1.01x there
-(tests/test_sim_rounds.py).
+devices where the whole system commits the most at K = 2: the system benchmark (3dc934c, a slow day) found adaptive
+at 0.81x the best fixed K by median runs, 0.84x by its pass-paired median; sim_rounds 0.91-0.94x; with the wait
+counted, 1.01x there (tests/test_sim_rounds.py).
 
 With drafting ahead (the device drafts on while its draft is verified), a round that is accepted whole with the
 bonus token the drafter guessed (probability about alpha^(k+1)) leaves the next draft made during the round
@@ -86,7 +86,7 @@ class RoundSample:
     step_sessions: int = 1  # sessions in the step that verified this draft (0, from a server that sends none: 1)
     confidence: tuple[float, ...] | None = None  # the drafter's confidence in each drafted token, if it has one
     step_s: float = 0.0  # the wall time of the step that verified this draft (0: not reported)
-    queue_s: float = 0.0  # how long the draft waited at the server for that step to start
+    queue_s: float = 0.0  # how long the draft waited at the server through earlier steps (not the batching window)
 
 
 # Confidence bins, by their upper edges: [0, 0.1), [0.1, 0.2), ... [0.9, 0.95), [0.95, 1].
