@@ -324,7 +324,7 @@ class Engine:
                        else verdict)
         self._last_step_end = end
         self.metrics.record_step(len(plan.verifies), sum(p.length for p in plan.prefills), step,
-                                 [t0 - w.enqueued for w in plan.verifies], forward)
+                                 [t0 - w.arrived for w in plan.verifies], forward)
 
     def _clip(self, work: VerifyWork) -> list[int]:
         """Draft tokens worth verifying: what fits in the context and in max_tokens."""

@@ -36,3 +36,30 @@ def test_a_draft_that_arrives_during_a_step_reports_that_wait_and_one_that_arriv
     assert a.queue_ms == 0.0
     # It waited through the whole of the first step (it arrived before that began), and not much past its end.
     assert a.step_ms <= b.queue_ms < a.step_ms + 1000.0
+
+
+def test_the_queue_wait_metric_counts_from_arrival_also_through_a_step_the_draft_was_not_taken_into(target):
+    # The operators' figure (queue_wait_seconds_total, the sled_queue_wait_seconds histogram) is the time from a
+    # draft's arrival to the start of its step. Counted from the worker's intake, the draft below, handed in before
+    # a step it is not part of, would show almost no wait.
+    engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128), target)
+    replies = []
+    for prompt in ((1, 2, 3, 4), (5, 6, 7, 8)):
+        engine.open(OpenRequest(prompt, SamplingParams(), 16, frozenset()), replies.append)
+    engine._drain(0)
+    while engine._prefilling():
+        engine.step()
+    first, second = replies
+    verdicts = {}
+    for session in (first, second):
+        engine.verify(session.id, DraftRequest(1, (9,), None, None), lambda v, s=session.id: verdicts.setdefault(s, v))
+        if session is first:
+            engine._drain(0)  # only the first is taken in before the step
+    before = engine.stats()["queue_wait_seconds_total"]
+    engine.step()
+    engine._drain(0)
+    engine.step()
+    waited = engine.stats()["queue_wait_seconds_total"] - before
+    first_step_s = verdicts[first.id].step_ms / 1000.0
+    assert waited >= first_step_s
+    assert waited < first_step_s + 1.0
