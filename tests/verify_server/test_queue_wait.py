@@ -10,7 +10,7 @@ from verify_server.sessions import DraftRequest, OpenRequest, SamplingParams, Ve
 pytestmark = pytest.mark.model
 
 
-def test_a_draft_that_arrives_during_a_step_reports_that_wait_and_one_that_arrives_idle_reports_none(target):
+def _two_prefilled_sessions(target):
     engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128), target)  # driven here, no worker thread
     replies = []
     for prompt in ((1, 2, 3, 4), (5, 6, 7, 8)):
@@ -18,7 +18,11 @@ def test_a_draft_that_arrives_during_a_step_reports_that_wait_and_one_that_arriv
     engine._drain(0)
     while engine._prefilling():
         engine.step()
-    first, second = replies
+    return engine, *replies
+
+
+def test_a_draft_that_arrives_during_a_step_reports_that_wait_and_one_that_arrives_idle_reports_none(target):
+    engine, first, second = _two_prefilled_sessions(target)
     verdicts = {}
 
     def draft(session, token):
@@ -42,14 +46,7 @@ def test_the_queue_wait_metric_counts_from_arrival_also_through_a_step_the_draft
     # The operators' figure (queue_wait_seconds_total, the sled_queue_wait_seconds histogram) is the time from a
     # draft's arrival to the start of its step. Counted from the worker's intake, the draft below, handed in before
     # a step it is not part of, would show almost no wait.
-    engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128), target)
-    replies = []
-    for prompt in ((1, 2, 3, 4), (5, 6, 7, 8)):
-        engine.open(OpenRequest(prompt, SamplingParams(), 16, frozenset()), replies.append)
-    engine._drain(0)
-    while engine._prefilling():
-        engine.step()
-    first, second = replies
+    engine, first, second = _two_prefilled_sessions(target)
     verdicts = {}
     for session in (first, second):
         engine.verify(session.id, DraftRequest(1, (9,), None, None), lambda v, s=session.id: verdicts.setdefault(s, v))
