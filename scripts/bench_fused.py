@@ -67,10 +67,11 @@ def main() -> int:
     notes = []
     for n in counts:
         cap, s, b = (by[("on", m, n)]["system_tokens_per_s"] for m in ("device-only", "sled", "server-only"))
-        k = by[("on", "sled", n)]["mean_draft_tokens"]
-        cap = drafting_bound(cap, k)
-        notes.append(f"- {n} devices: the drafters' own rate × (1 + 1/K) at SLED's mean K {k:.2f}, {cap:.1f} tok/s, is "
-                     f"{ratio(cap, b):.2f}x server-only with `--fused on`; SLED reached {ratio(s, cap):.0%} of it")
+        k, step = by[("on", "sled", n)]["mean_draft_tokens"], by[("on", "sled", n)]["server_step_ms"]
+        cap = drafting_bound(cap, k, n, step)
+        notes.append(f"- {n} devices: the drafters' own rate r × (1 + max(0, 1 − r·s) / K) at SLED's mean K {k:.2f} "
+                     f"and step s {step:.1f} ms, {cap:.1f} tok/s, is {ratio(cap, b):.2f}x server-only with "
+                     f"`--fused on`; SLED reached {ratio(s, cap):.0%} of it")
     section = (
         f"{MARKER}\n\n"
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
@@ -78,8 +79,10 @@ def main() -> int:
         f"- command: `python scripts/bench_fused.py {' '.join(sys.argv[1:])}` (bench_system with "
         "`--server-arg=--fused=off`, then `on`, one after the other; each row is that run's median, as in the "
         "system benchmark)\n\n" + "\n".join(lines) + "\n\n"
-        "A round commits at most its drafted tokens + 1, so SLED cannot pass its devices' own drafting rate "
-        "(device-only) × (1 + 1/K) at mean draft length K; that over server-only bounds the margin:\n\n"
+        "Every committed token is drafted by its device but for at most one a round (the correction, or a bonus not "
+        "drafted ahead), which costs the device the round trip, at least a step s, so SLED cannot pass its devices' "
+        "own drafting rate r (device-only) × (1 + max(0, 1 − r·s) / K) at mean draft length K (the derivation: "
+        "`drafting_bound` in scripts/bench_system.py); that over server-only bounds the margin:\n\n"
         + "\n".join(notes) + "\n"
     )
     publish(args.markdown, MARKER, section, args.json, rows)

@@ -327,12 +327,19 @@ def ratio(x: float, y: float) -> float:
     return x / y if y > 0 else float("nan")
 
 
-def drafting_bound(device_only_tok_s: float, mean_k: float) -> float:
-    """The most tokens/s devices drafting at device_only_tok_s can commit with drafts of mean_k tokens: a round
-    commits its accepted drafted tokens and one more (a correction where a drafted token was rejected, or the bonus
-    after a wholly accepted draft), at most its drafted tokens + 1, whatever the server does; tokens drafted ahead
-    and thrown away only take more of the drafter's time. nan when no draft was made (a starved run)."""
-    return device_only_tok_s * (1 + ratio(1, mean_k))
+def drafting_bound(device_only_tok_s: float, mean_k: float, devices: int, step_ms: float) -> float:
+    """The most tokens/s `devices` devices, each drafting at device_only_tok_s / devices alone, can commit with
+    drafts of mean_k tokens when a verification step takes step_ms. Every committed token was drafted by its device,
+    at one drafting step each, except at most one a round: the correction after a rejected token, or the bonus after
+    a wholly accepted draft whose next token the device had not drafted ahead. That token comes with the verdict,
+    after a round trip that holds the draft's step, and the device spends that time waiting or drafting ahead what
+    the verdict throws away (had the ahead draft stood, its first token was the bonus, drafted and not free). So
+    the free token costs at least a step of the device's time and gains only where a step is shorter than drafting
+    one token: a device commits at most rate x (1 + max(0, 1 - rate x step) / K). Where the step is the longer (a
+    CPU target no larger than the drafter), the drafters' own rate, device-only, is the bound; with step_ms 0, the
+    plain count (a round commits at most its drafted tokens + 1). nan when no draft was made (a starved run)."""
+    free = max(0.0, 1.0 - device_only_tok_s / devices * step_ms / 1000.0)
+    return device_only_tok_s * (1 + free * ratio(1, mean_k))
 
 
 def server_flags(devices: int, max_wait_ms: float) -> list[str]:
@@ -429,12 +436,17 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                       f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
                       + ", ".join(f"{x:.2f}x" for x in per) + " |")
     ceilings = [ratio(drafting_bound(by[("device-only", n)]["system_tokens_per_s"],
-                                     by[("sled", n)]["mean_draft_tokens"]),
+                                     by[("sled", n)]["mean_draft_tokens"], n, by[("sled", n)]["server_step_ms"]),
                       by[("server-only", n)]["system_tokens_per_s"]) for n in counts]
-    bound = ("- the most SLED can reach from the devices' side: a round commits at most its drafted tokens + 1, so a "
-             "device commits at most its drafter's rate × (1 + 1/K) at mean draft length K, and SLED / server-only ≤ "
-             "device-only / server-only × (1 + 1/K), at the sled rows' K: "
-             + ", ".join(f"{n} devices {c:.2f}x (K {by[('sled', n)]['mean_draft_tokens']:.2f})"
+    bound = ("- the most SLED can reach from the devices' side: each committed token was drafted by its device, one "
+             "drafting step each, but for at most one a round (the correction, or a bonus not drafted ahead), which "
+             "comes after the round trip, at least the server's step, that the device spends waiting or drafting "
+             "ahead what the verdict throws away; so at drafting rate r (device-only per device), step s and mean "
+             "draft length K a device commits at most r × (1 + max(0, 1 − r·s) / K), and SLED / server-only ≤ "
+             "device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
+             "(r·s ≥ 1: the drafters' own rate is the bound): "
+             + ", ".join(f"{n} devices {c:.2f}x (K {by[('sled', n)]['mean_draft_tokens']:.2f}, r·s "
+                         f"{by[('device-only', n)]['per_device_tokens_per_s'] * by[('sled', n)]['server_step_ms'] / 1000:.2f})"
                          for n, c in zip(counts, ceilings)) + "\n")
     overhead = ""
     if sixteen:

@@ -4,9 +4,11 @@ are known."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from scripts.bench_system import pick_medians, report_tables
+from scripts.bench_system import drafting_bound, pick_medians, report_tables
 
 
 def run(mode, n, rep, tok_s, p95=50.0, k=None, **extra):
@@ -66,9 +68,19 @@ def test_tables_give_ratio_capacity_and_the_adaptive_verdict():
     ahead4 = next(line for line in t["ahead"] if line.startswith("| 4 |"))
     assert "| 150.0 | 110.0 | 1.36x | 50% |" in ahead4
     assert "2.0 of 40.0 ms (5.0%)" in t["overhead"]  # step 40 ms, forward 38 ms, at 16 devices
-    # device-only 4 x 60 and 16 x 60 tok/s against server-only's 100 and 200, times 1 + 1/4 (drafts of 4 tokens:
-    # 4 drafted tokens commit at most 5)
-    assert t["bound"].endswith("4 devices 3.00x (K 4.00), 16 devices 6.00x (K 4.00)\n")
+    # device-only 4 x 60 and 16 x 60 tok/s against server-only's 100 and 200; a step of 40 ms is longer than a
+    # drafting step (1/60 s, r·s 2.4), so a round's free token (the correction or the bonus) gains nothing over
+    # drafting it: the drafters' own rate is the bound
+    assert t["bound"].endswith("4 devices 2.40x (K 4.00, r·s 2.40), 16 devices 4.80x (K 4.00, r·s 2.40)\n")
+
+
+def test_the_drafting_bound_counts_a_round_s_free_token_only_where_a_step_is_shorter_than_drafting_one():
+    # 4 devices drafting 60 tok/s each, drafts of 4 tokens
+    assert drafting_bound(240.0, 4.0, 4, 0.0) == pytest.approx(300.0)  # an instant server: 4 drafted commit 5
+    assert drafting_bound(240.0, 4.0, 4, 5.0) == pytest.approx(240.0 * (1 + 0.7 / 4))  # r·s 0.3: 0.7 of it
+    assert drafting_bound(240.0, 4.0, 4, 1000.0 / 60) == pytest.approx(240.0)  # a step as long as a drafting step
+    assert drafting_bound(240.0, 4.0, 4, 40.0) == pytest.approx(240.0)
+    assert math.isnan(drafting_bound(240.0, 0.0, 4, 5.0))  # no draft made: a starved run
 
 
 def test_no_count_within_the_objective_gives_capacity_zero():

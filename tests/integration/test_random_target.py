@@ -250,7 +250,8 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert "## System benchmark: SLED vs server-only vs device-only" in text
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
-    assert "SLED / server-only ≤ device-only / server-only × (1 + 1/K), at the sled rows' K: 1 devices " in text
+    assert ("SLED / server-only ≤ device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
+            "(r·s ≥ 1: the drafters' own rate is the bound): 1 devices ") in text
     # the verdict, pass by pass (one repeat: one pass)
     assert re.search(r"- 1 devices: adaptive .* tok/s vs best fixed K=\d .*; pass by pass [\d.]+x, median [\d.]+x\n", text)
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
