@@ -168,6 +168,17 @@ def pump(name: str, proc: subprocess.Popen, lines: list[str]) -> None:
         print(f"{name:>14} | {line}", end="", flush=True)
 
 
+def hold_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def interrupted(signum: int, _frame) -> None:
+    """Ctrl-C or SIGTERM: stop the run once; further signals are ignored until everything is cleaned up."""
+    hold_signals()
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compose", default=str(ROOT / "docker-compose.yml"), help="compose file (default docker-compose.yml)")
@@ -195,7 +206,8 @@ def main() -> int:
     deadline = time.monotonic() + args.timeout
     links: list[LinkEmulator] = []
     namespaces = Namespaces(str(os.getpid() % 10000))
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
 
     def route(name: str) -> tuple[dict | None, list[str]]:
         """For a device: the addresses of its upstream services through its link, and a command prefix."""
@@ -296,6 +308,7 @@ def main() -> int:
         print(f"[simulate] stopping: {err!r}", file=sys.stderr)
         return 1
     finally:
+        hold_signals()  # a second Ctrl-C or SIGTERM must not cut the clean-up short
         stop_all()
         for link in links:
             link.close()

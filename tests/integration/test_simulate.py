@@ -3,8 +3,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,45 @@ def test_every_device_service_has_limits_and_a_shipped_config():
         args = svc["command"]
         cfg = args[args.index("--config") + 1]
         assert (ROOT / "configs" / Path(cfg).name).is_file(), name
+
+
+LINGERING_SERVER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def on_term(*_):
+    out.with_suffix('.term').write_text('')
+    time.sleep(3)  # a server finishing its sessions: the run's clean-up waits for it
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+out.write_text('started')
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path, sig):
+    """Interrupted twice (an impatient Ctrl-C, or a supervisor's repeated SIGTERM) while it waits for a service to
+    stop, the run still stops every service and finishes its clean-up (links, namespaces) instead of dying in it."""
+    marker = tmp_path / "server"
+    compose = tmp_path / "compose.yml"
+    compose.write_text(yaml.safe_dump({"services": {"slow-server": {
+        "command": ["python", "-c", LINGERING_SERVER, str(marker), "--port", "50051"]}}}))
+    run = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--compose", str(compose),
+                            "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():  # the service runs and is never healthy: the run waits for it
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        run.send_signal(sig)
+        while not marker.with_suffix(".term").exists():  # the clean-up has asked the service to stop
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        run.send_signal(sig)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err
+    assert "Traceback" not in err, err
+    assert "stopping: KeyboardInterrupt" in err
+    assert "all services stopped" in out
