@@ -5,7 +5,8 @@
 Runs scripts/bench_system.py twice, one after the other (`--server-arg=--fused=off`, then `on`), each into a
 scratch directory, and writes the sled and server-only rows of both side by side into their section of
 docs/benchmarks.md (and, with --json, the rows). The fused step speeds up small batches; this shows which mode's
-batches it reaches.
+batches it reaches. Any other option goes to both bench_system runs as it is (e.g. `--seconds 16`, or
+`--target random:llama-tiny --draft-match 0.9 --device-ms-per-token 10` for a quick check without the real model).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="bench_system repeats per configuration (default 2)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
-    args = ap.parse_args()
+    args, passed_on = ap.parse_known_args()
     if args.repeats < 1:
         ap.error("--repeats must be positive")
+    if any(a.split("=")[0] in ("--out-dir", "--server-arg") for a in passed_on):
+        ap.error("--out-dir and --server-arg are set by this script for each run")
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="sled-bench-fused-") as tmp:
@@ -44,7 +47,7 @@ def main() -> int:
             cmd = [sys.executable, str(ROOT / "scripts" / "bench_system.py"), "--devices", args.devices,
                    "--repeats", str(args.repeats), f"--server-arg=--fused={fused}",
                    "--markdown", str(out / "system.md"), "--json", str(out / "system.json"),
-                   "--out-dir", str(out / "plots")]
+                   "--out-dir", str(out / "plots"), *passed_on]
             print(f"[bench] fused {fused}: {' '.join(cmd[1:])}", flush=True)
             done = subprocess.run(cmd, cwd=ROOT)
             if done.returncode != 0:

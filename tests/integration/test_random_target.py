@@ -256,3 +256,46 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert re.search(r"- 1 devices: adaptive .* tok/s vs best fixed K=\d .*; pass by pass [\d.]+x, median [\d.]+x\n", text)
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
                                                        "bench_system_system_tokens_per_s.png"]
+
+
+def test_bench_fused_runs_both_servers_and_writes_its_section(tmp_path):
+    """bench_fused on the tiny random target (its other options go to bench_system as they are): two bench_system
+    runs, `--fused off` then `on`, whose rows come back tagged, one table line each, and the bound line computed
+    from the `on` run's own rows."""
+    import json
+    import subprocess
+    import sys
+
+    from scripts.bench_system import drafting_bound
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_fused.py"
+    md, rows_path = tmp_path / "bench.md", tmp_path / "rows.json"
+    md.write_text("# Benchmarks\n\n## Engine speed: kept\n\nother section\n")
+    done = subprocess.run([sys.executable, str(script), "--devices", "1", "--repeats", "1", "--markdown", str(md),
+                           "--json", str(rows_path), "--target", "random:llama-tiny", "--draft-match", "0.9",
+                           "--device-ms-per-token", "10", "--seconds", "1.5", "--warmup-s", "0.3", "--recordings", "2",
+                           "--max-tokens", "16"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(rows_path.read_text())
+    by = {(r["fused"], r["mode"]): r for r in rows}
+    assert set(by) == {(f, m) for f in ("off", "on") for m in ("sled", "server-only", "device-only")}
+    text = md.read_text()
+    assert "## Engine speed: kept\n\nother section" in text
+    for fused in ("off", "on"):
+        s, b = by[(fused, "sled")], by[(fused, "server-only")]
+        assert f"| 1 | `--fused {fused}` | {s['system_tokens_per_s']:.1f} | {b['system_tokens_per_s']:.1f} |" in text
+    on = by[("on", "sled")]
+    cap = drafting_bound(by[("on", "device-only")]["system_tokens_per_s"], on["mean_draft_tokens"], 1,
+                         on["server_step_ms"])
+    assert f"step s {on['server_step_ms']:.1f} ms, {cap:.1f} tok/s, is " in text
+
+
+def test_bench_fused_refuses_the_options_it_sets_itself(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_fused.py"
+    done = subprocess.run([sys.executable, str(script), "--server-arg=--fused=on", "--markdown", str(tmp_path / "b.md")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--server-arg are set by this script" in done.stderr
+    assert not (tmp_path / "b.md").exists()
