@@ -26,7 +26,7 @@ class ServerConfig:
     max_seq_len: int = 2048  # context tokens per session (prompt + generated)
     max_batch_sessions: int = 16  # verification requests in one step
     max_batch_tokens: int = 512  # tokens (draft + prefill) in one step
-    max_wait_ms: float = 5.0  # longest a request waits for others to join its step
+    max_wait_ms: float = 5.0  # longest a request waits for others to join its step, from the worker's intake
     max_draft_tokens: int = 16  # longest accepted draft
     max_draft_top_k: int = 64  # largest sparse draft distribution per token
     # KV of prompt prefixes that different sessions share (system prompts), kept for new sessions; 0 turns it off.
