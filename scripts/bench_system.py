@@ -327,6 +327,11 @@ def ratio(x: float, y: float) -> float:
     return x / y if y > 0 else float("nan")
 
 
+def drafting_per_step(device_only_tok_s: float, devices: int, step_ms: float) -> float:
+    """r·s: the tokens one device drafts alone (device_only_tok_s / devices a second) in a step of step_ms."""
+    return device_only_tok_s / devices * step_ms / 1000.0
+
+
 def drafting_bound(device_only_tok_s: float, mean_k: float, devices: int, step_ms: float) -> float:
     """The most tokens/s `devices` devices, each drafting at device_only_tok_s / devices alone, can commit with
     drafts of mean_k tokens when a verification step takes step_ms. Every committed token was drafted by its device,
@@ -338,7 +343,7 @@ def drafting_bound(device_only_tok_s: float, mean_k: float, devices: int, step_m
     one token: a device commits at most rate x (1 + max(0, 1 - rate x step) / K). Where the step is the longer (a
     CPU target no larger than the drafter), the drafters' own rate, device-only, is the bound; with step_ms 0, the
     plain count (a round commits at most its drafted tokens + 1). nan when no draft was made (a starved run)."""
-    free = max(0.0, 1.0 - device_only_tok_s / devices * step_ms / 1000.0)
+    free = max(0.0, 1.0 - drafting_per_step(device_only_tok_s, devices, step_ms))
     return device_only_tok_s * (1 + free * ratio(1, mean_k))
 
 
@@ -446,7 +451,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
              "device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
              "(r·s ≥ 1: the drafters' own rate is the bound): "
              + ", ".join(f"{n} devices {c:.2f}x (K {by[('sled', n)]['mean_draft_tokens']:.2f}, r·s "
-                         f"{by[('device-only', n)]['per_device_tokens_per_s'] * by[('sled', n)]['server_step_ms'] / 1000:.2f})"
+                         f"{drafting_per_step(by[('device-only', n)]['system_tokens_per_s'], n, by[('sled', n)]['server_step_ms']):.2f})"
                          for n, c in zip(counts, ceilings)) + "\n")
     overhead = ""
     if sixteen:

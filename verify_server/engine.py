@@ -175,9 +175,8 @@ class Engine:
     def _ready(self, now: float) -> bool:
         # The batching window counts from the worker's intake, not from arrival: a draft handed in during a step
         # still waits up to max_wait_ms after it, so the devices that step just answered can join the next one.
-        # Counted from arrival, the next step started at once with fewer sessions: in bench_system runs taken
-        # one after the other (arrival, intake, arrival; 2 repeats, AVX-512 host) server-only made 487, 570, 522
-        # tok/s at 16 devices and 636, 693, 633 at 32, and SLED 875, 883, 894 and 907, 917, 914.
+        # Counted from arrival (tried in stop 25, the runs in commit 0bf13a8's message), the next step started at
+        # once with fewer sessions: server-only lost about 10% at 16 and 32 devices, and SLED gained nothing.
         oldest = self._pending[0].enqueued if self._pending else None
         prefilling = self._prefilling()
         if prefilling and oldest is None:
