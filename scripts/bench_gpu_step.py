@@ -10,6 +10,10 @@ from the call to the logits being on the device (synchronized), so the launch ov
 counts. Before timing, the two paths' logits are compared on the same inputs (relative difference and greedy
 agreement). The floor is the weights' bytes over the measured device-to-device copy bandwidth.
 
+Then the default path again with a context that grows by one every step, as in real decoding, so every step
+meets an attention shape it has not seen: once with the runner's attention kernels (cuDNN's left out) and once with
+cuDNN's in PyTorch's choice, which on the H100 cost ~65 ms per new shape.
+
 Runs on CPU as well (a smoke test with --target random:llama-tiny); the figures mean something on a GPU.
 Writes its section of docs/benchmarks.md and, with --json, the rows.
 """
@@ -76,6 +80,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256, help="cached tokens per session (default 256)")
     ap.add_argument("--steps", type=int, default=30, help="timed forwards per configuration per round (default 30)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, the two paths interleaved (default 3)")
+    ap.add_argument("--growing-steps", type=int, default=10,
+                    help="timed forwards per round with a context one longer every step (default 10)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()
@@ -84,8 +90,8 @@ def main() -> int:
         tokens = [int(x) for x in args.tokens.split(",")]
     except ValueError:
         ap.error("--sessions and --tokens take comma-separated integers")
-    if min(sessions + tokens) < 1 or args.context < 1 or args.steps < 1 or args.rounds < 1:
-        ap.error("--sessions, --tokens, --context, --steps and --rounds must be positive")
+    if min(sessions + tokens) < 1 or min(args.context, args.steps, args.rounds, args.growing_steps) < 1:
+        ap.error("--sessions, --tokens, --context, --steps, --rounds and --growing-steps must be positive")
 
     import torch
     from tqdm import tqdm
@@ -93,6 +99,7 @@ def main() -> int:
     from kernels.attention import Segment
     from verify_server.kv_cache import KVCache
     from verify_server.model_loader import load_target, resolve_device, resolve_dtype
+    from verify_server import model_runner
     from verify_server.model_runner import ModelInput, ModelRunner
 
     device = resolve_device(args.device)
@@ -101,7 +108,8 @@ def main() -> int:
     target = load_target(args.target, device, dtype, args.tokenizer)
     cfg = target.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    top, seq = max(sessions), args.context + max(tokens) + 1
+    growing = 2 * args.rounds * args.growing_steps  # distinct contexts per configuration, both variants
+    top, seq = max(sessions), args.context + growing + max(tokens) + 1
     kv = KVCache(cfg.num_hidden_layers, top, cfg.num_key_value_heads, seq, head_dim, dtype, device)
     g = torch.Generator(device=device).manual_seed(0)
     # Cached keys and values of the scale a real forward writes; positions past the context stay unwritten.
@@ -112,9 +120,11 @@ def main() -> int:
     bandwidth = copy_bandwidth(repeats=10, device=device)
     floor_ms = weight_bytes / bandwidth * 1000
 
-    def batch(n: int, t: int) -> ModelInput:
-        segs = [Segment(s, s * t, t, args.context + t) for s in range(n)]
-        pos = torch.arange(args.context, args.context + t).repeat(n)
+    def batch(n: int, t: int, extra: int = 0) -> ModelInput:
+        """n sessions of t new tokens each, over args.context + extra cached tokens."""
+        ctx = args.context + extra
+        segs = [Segment(s, s * t, t, ctx + t) for s in range(n)]
+        pos = torch.arange(ctx, ctx + t).repeat(n)
         ids = torch.randint(0, target.vocab_size, (n * t,), generator=torch.Generator().manual_seed(n * 100 + t))
         return ModelInput(token_ids=ids, positions=pos, slots=torch.arange(n).repeat_interleave(t), segments=segs,
                           logit_rows=torch.arange(n * t))
@@ -151,17 +161,42 @@ def main() -> int:
             sync(torch, device)
             times[(n, t, m)].append(time.perf_counter() - t0)
 
+    # The default path with a new context length every step: the runner's kernels, and cuDNN's in the choice too.
+    # Each step of a configuration gets a context no step of it had before, in either variant.
+    shipped = list(model_runner.CUDA_SDPA_BACKENDS)
+    variants = {"shipped": shipped, "cudnn": shipped + [torch.nn.attention.SDPBackend.CUDNN_ATTENTION]}
+    new_shape: dict[tuple[int, int, str], list[float]] = {(n, t, v): [] for n, t in configs for v in variants}
+    order = [(r, n, t, v) for r in range(args.rounds) for n, t in configs
+             for v in (("shipped", "cudnn") if r % 2 == 0 else ("cudnn", "shipped"))]
+    fresh = {(n, t): iter(range(1, growing + 1)) for n, t in configs}
+    try:
+        for _, n, t, v in tqdm(order, desc="new context each step", unit="config"):
+            model_runner.CUDA_SDPA_BACKENDS = variants[v]
+            for _ in range(args.growing_steps):
+                inp = batch(n, t, next(fresh[(n, t)]))
+                sync(torch, device)
+                t0 = time.perf_counter()
+                runners["sdpa"].forward(inp)
+                sync(torch, device)
+                new_shape[(n, t, v)].append(time.perf_counter() - t0)
+    finally:
+        model_runner.CUDA_SDPA_BACKENDS = shipped
+
     rows, lines = [], ["| sessions | tokens each | per-segment ms | padded ms | speed-up | floor ms | "
-                       "padded / floor | relative difference | same greedy token |",
-                       "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                       "padded / floor | relative difference | same greedy token | new context each step ms | "
+                       "same, cuDNN in the choice ms |",
+                       "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, t in configs:
         seg_ms = statistics.median(times[(n, t, "segments")]) * 1000
         pad_ms = statistics.median(times[(n, t, "sdpa")]) * 1000
+        grow_ms = statistics.median(new_shape[(n, t, "shipped")]) * 1000
+        cudnn_ms = statistics.median(new_shape[(n, t, "cudnn")]) * 1000
         rel, same = checks[(n, t)]
         rows.append({"sessions": n, "tokens": t, "segments_ms": seg_ms, "sdpa_ms": pad_ms, "floor_ms": floor_ms,
-                     "relative_difference": rel, "same_greedy": same})
+                     "relative_difference": rel, "same_greedy": same, "new_context_ms": grow_ms,
+                     "new_context_cudnn_ms": cudnn_ms})
         lines.append(f"| {n} | {t} | {seg_ms:.2f} | {pad_ms:.2f} | {seg_ms / pad_ms:.2f}x | {floor_ms:.2f} | "
-                     f"{pad_ms / floor_ms:.1f}x | {rel:.1e} | {same:.1%} |")
+                     f"{pad_ms / floor_ms:.1f}x | {rel:.1e} | {same:.1%} | {grow_ms:.2f} | {cudnn_ms:.2f} |")
     gpu = gpu_name() if device.type == "cuda" else None
     section = (
         f"{MARKER}\n\n"
@@ -177,7 +212,11 @@ def main() -> int:
         "segments in one call per layer (`sdpa`, the default); relative difference and greedy agreement of the two "
         "paths' logits on the same inputs\n"
         f"- attention alone against the float32 reference ({attn_check['what']}, NaN in every cache position past "
-        f"a context): padded {attn_check['sdpa']:.1e}, per-segment {attn_check['segments']:.1e} relative error\n\n"
+        f"a context): padded {attn_check['sdpa']:.1e}, per-segment {attn_check['segments']:.1e} relative error\n"
+        f"- new context each step: the padded path, {args.growing_steps} x {args.rounds} steps per configuration "
+        "whose cached context is one token longer every step (as in decoding: every step a new attention shape), "
+        "median; with the runner's kernels (flash, efficient, math), and with cuDNN's in PyTorch's choice as well "
+        "(its default), the two interleaved round by round\n\n"
         + "\n".join(lines) + "\n")
     publish(args.markdown, MARKER, section, args.json, rows)
     print("\n".join(lines))

@@ -10,7 +10,10 @@ raw (collapsed) stacks per mode and kind into --out, and prints each mode's step
 and per recording the samples of each thread and its most sampled innermost frames.
 
 Why: on the H100 a SLED step under load took 3-5x what the same forward took alone (docs/benchmarks.md); the
-candidates are host-side (the GIL shared with grpc's event loop, per-shape costs) and this tells them apart.
+candidates are host-side (the GIL shared with grpc's event loop, per-shape costs) and this tells them apart. Its
+first run on the H100 showed the engine thread's wall time 46-73% inside one scaled_dot_product_attention line
+while it held the GIL little: the kernel choice's cost at each new shape (see CUDA_SDPA_BACKENDS in
+verify_server/model_runner.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.attention import ATTENTION, Segment
 from kernels.cpu_step import CpuStep, CpuStepUnavailable
@@ -65,6 +66,12 @@ def _check_segments(inp: ModelInput) -> None:
     if covered != len(positions):
         raise ValueError(f"segments cover {covered} tokens of {len(positions)}")
 
+
+# On CUDA, with cuDNN's kernel in scaled_dot_product_attention's choice (its default), a step whose attention shape
+# PyTorch had not met before took 60-86 ms of host time instead of 11-16 ms (1B target, PyTorch 2.11, H100; the
+# efficient kernel ran either way: scripts/bench_gpu_step.py's "new context each step" columns), and the step's
+# longest context, hence its attention shape, changes at nearly every step.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # bench_engine's crossover on the AMD EPYC host this was first measured on (fused 0.97x PyTorch at 8 tokens, 1.07x
 # at 12): the threshold before calibrate_fused() runs, or where a runner is built without it.
@@ -194,6 +201,13 @@ class ModelRunner:
         if self.fused is not None and n <= self.fused_max_tokens:
             _check_segments(inp)
             return self.fused(h, positions, slots, inp.logit_rows)
+        if self.device.type == "cuda":
+            with sdpa_kernel(CUDA_SDPA_BACKENDS):
+                return self._forward(inp, h, positions, slots)
+        return self._forward(inp, h, positions, slots)
+
+    def _forward(self, inp: ModelInput, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        n = h.shape[0]
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin_signed[positions].unsqueeze(1)
         masks = self.prepare_attention(inp.segments, self.device, self.num_heads // self.num_kv_heads, self.dtype)
