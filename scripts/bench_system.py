@@ -494,7 +494,8 @@ def main() -> int:
     ap.add_argument("--recordings", type=int, default=8, help="distinct recorded prompts, reused round-robin (default 8)")
     ap.add_argument("--max-wait-ms", type=float, default=3.0, help="the server's batching window (default 3)")
     ap.add_argument("--device-ms-per-token", type=float,
-                    help="drafting time per token on a device (default: measured here for llama.cpp Q4_1, 1 thread)")
+                    help="drafting time per token on a device (default: the one a --draft-match FILE recorded, else "
+                         "measured here for llama.cpp Q4_1, 1 thread)")
     ap.add_argument("--target", metavar="SPEC",
                     help="the server's target (default: SmolLM2-135M-Instruct); random:llama-1b or random:llama-8b for "
                          "a GPU capacity run, with synthesized drafts")
@@ -527,12 +528,17 @@ def main() -> int:
     top = max(counts)
     random_target = bool(args.target and args.target.startswith("random:"))
     match_source = None
+    drafting_source = "as given"
     if args.draft_match is not None and args.draft_match.endswith(".json"):
         try:
             measured = json.loads(Path(args.draft_match).read_text())
             match_source = (f"the real pair's match, measured by `--match-only` on {measured['machine']} at "
                             f"{measured['date']} over {measured['recordings']} greedy outputs")
             args.draft_match = float(measured["draft_match"])
+            if args.device_ms_per_token is None and measured.get("drafting_ms_per_token") is not None:
+                # The drafter's speed measured with the match stands for the devices', unless one is given.
+                args.device_ms_per_token = float(measured["drafting_ms_per_token"])
+                drafting_source = "the real drafter's, measured with the match"
         except (OSError, ValueError, KeyError, TypeError) as err:
             ap.error(f"--draft-match {args.draft_match}: not a --match-only JSON file ({err})")
     elif args.draft_match is not None:
@@ -557,7 +563,8 @@ def main() -> int:
     if args.tokenizer and not random_target:
         ap.error("--tokenizer goes with a random target (--target random:...): the default target brings its own")
     if importlib.util.find_spec("llama_cpp") is None and (args.draft_match is None or args.device_ms_per_token is None):
-        ap.error("llama.cpp is not installed here: give --draft-match and --device-ms-per-token")
+        ap.error("llama.cpp is not installed here: give --draft-match and --device-ms-per-token (a --match-only "
+                 "JSON file given to --draft-match carries both)")
     extra = [a for arg in args.server_arg for a in arg.split("=", 1)]
     if args.target:
         extra += ["--target", args.target]
@@ -569,7 +576,7 @@ def main() -> int:
     alone_ms = []
     if args.device_ms_per_token is not None:
         device_spt = args.device_ms_per_token / 1000
-        print(f"[bench] drafting time per token as given: {device_spt * 1000:.1f} ms", flush=True)
+        print(f"[bench] drafting time per token ({drafting_source}): {device_spt * 1000:.1f} ms", flush=True)
     else:
         # Device-only, and the device's drafting time: one drafter alone, unverified, before the server starts (a
         # device has its own hardware); the median of three runs, as this machine's speed wanders.
@@ -672,6 +679,7 @@ def main() -> int:
         f"- command: `python scripts/bench_system.py {' '.join(sys.argv[1:])}`\n"
         + target_line
         + f"replayed at {spt * 1000:.1f} ms/token of drafting per device"
+        + (f" ({drafting_source})" if drafting_source != "as given" else "")
         + (f" (one llama.cpp drafter alone, 1 thread, before the server started: "
            f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; the median)" if alone_ms else "")
         + f"; `sled` uses the adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"

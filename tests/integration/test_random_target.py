@@ -226,8 +226,13 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     script = Path(__file__).resolve().parents[2] / "scripts" / "bench_system.py"
     md, rows_path, plots = tmp_path / "bench.md", tmp_path / "rows.json", tmp_path / "plots"
     md.write_text("# Benchmarks\n\n## Engine speed: kept\n\nother section\n")
-    done = subprocess.run([sys.executable, str(script), "--target", "random:llama-tiny", "--draft-match", "0.9",
-                           "--device-ms-per-token", "10", "--devices", "1", "--seconds", "1.5", "--warmup-s", "0.3",
+    # What --match-only writes: the match and the drafter's speed, which stands for the devices' when none is given.
+    match = tmp_path / "match.json"
+    match.write_text(json.dumps({"draft_match": 0.9, "by_position": [0.9], "drafting_ms_per_token": 10.0,
+                                 "recordings": 8, "max_tokens": 64, "machine": "a test host",
+                                 "date": "2026-11-24 00:00 UTC"}))
+    done = subprocess.run([sys.executable, str(script), "--target", "random:llama-tiny", "--draft-match", str(match),
+                           "--devices", "1", "--seconds", "1.5", "--warmup-s", "0.3",
                            "--repeats", "1", "--recordings", "2", "--max-tokens", "16", "--markdown", str(md),
                            "--json", str(rows_path), "--out-dir", str(plots)],
                           capture_output=True, text=True, timeout=600)
@@ -248,6 +253,10 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
                      r"[\d.]+% over \d+ runs, highest [\d.]+% \(1 devices, ", text)
     assert "## Engine speed: kept\n\nother section" in text  # another script's section is left as it was
     assert "## System benchmark: SLED vs server-only vs device-only" in text
+    assert ("each drafted position right with probability 0.900 (the real pair's match, measured by `--match-only` on "
+            "a test host at 2026-11-24 00:00 UTC over 8 greedy outputs), replayed at 10.0 ms/token of drafting per "
+            "device (the real drafter's, measured with the match)") in text
+    assert next(r for r in rows if r["mode"] == "device-only")["per_device_tokens_per_s"] == pytest.approx(100.0)
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
     assert ("SLED / server-only ≤ device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
