@@ -134,3 +134,38 @@ def test_stolen_share_is_the_steal_ticks_over_all_ticks_between_two_readings():
     assert now is None or (0 <= now[0] <= now[1])  # Linux: (steal, total) in ticks
     assert stolen_share((100, 1000), (130, 1300)) == pytest.approx(0.1)
     assert stolen_share(None, (130, 1300)) is None and stolen_share((100, 1000), (100, 1000)) is None
+
+
+def test_replayed_drafting_carries_each_sleeps_overrun_into_the_next(monkeypatch):
+    """Every benchmark device runs in one process, where a sleep ends only once its thread has the GIL back: each
+    sleep of the replayed drafter overruns. Carried into the next sleep, the overrun leaves the drafting at the rate
+    asked on average (a real device drafts on its own cores); the clock reports what was asked and what was taken.
+    With plain sleeps, 10 tokens at 5 ms overrunning 2 ms each take 70 ms."""
+    import scripts.bench_system as bench
+
+    now = [0.0]
+    asked_sleeps = []
+
+    def sleep(seconds):
+        asked_sleeps.append(seconds)
+        now[0] += seconds + 0.002  # every sleep comes back 2 ms late
+
+    monkeypatch.setattr(bench.time, "sleep", sleep)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    clock = bench.DraftClock()
+    full = list(range(100))
+    drafter = bench.ReplayDrafter({n: full[n:n + 8] for n in range(2, 90)}, 0.005, full, clock=clock)
+    for n in range(2, 12):
+        assert drafter.propose(full[:n], 1).token_ids == [full[n]]
+    assert now[0] == pytest.approx(10 * 0.005 + 0.002)  # one overrun left over, not ten
+    assert asked_sleeps[0] == pytest.approx(0.005) and all(s == pytest.approx(0.003) for s in asked_sleeps[1:])
+    assert clock.tokens == 10 and clock.asked == pytest.approx(0.05)
+    assert clock.ms_per_token() == pytest.approx(5.2)
+    # An overrun longer than a token's time is made good over the next tokens, which then take no sleep at all.
+    monkeypatch.setattr(bench.time, "sleep", lambda seconds: (asked_sleeps.append(seconds),
+                                                               now.__setitem__(0, now[0] + seconds + 0.02)))
+    asked_sleeps.clear()
+    for n in range(12, 16):
+        drafter.propose(full[:n], 1)
+    assert asked_sleeps == [pytest.approx(0.003)]  # 20 ms late: the next three tokens' time is already spent
+    assert drafter.owed == pytest.approx(0.005)

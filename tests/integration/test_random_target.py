@@ -257,6 +257,10 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
             "a test host at 2026-11-24 00:00 UTC over 8 greedy outputs), replayed at 10.0 ms/token of drafting per "
             "device (the real drafter's, measured with the match)") in text
     assert next(r for r in rows if r["mode"] == "device-only")["per_device_tokens_per_s"] == pytest.approx(100.0)
+    # the drafting rate the replayed devices reached, per run and over the runs
+    assert sled["drafting_ms_per_token"] >= 10.0 - 1e-6
+    assert re.search(r"- the replayed devices drafted at [\d.]+-[\d.]+ ms/token \(median [\d.]+\) over the counted "
+                     r"runs, 10\.00 asked", text)
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
     assert ("SLED / server-only ≤ device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
