@@ -12,7 +12,7 @@ agreement). The floor is the weights' bytes over the measured device-to-device c
 
 Then the default path again with a context that grows by one every step, as in real decoding, so every step
 meets an attention shape it has not seen: once with the runner's attention kernels (cuDNN's left out) and once with
-cuDNN's in PyTorch's choice, which on the H100 cost ~65 ms per new shape.
+cuDNN's in PyTorch's choice as well (PyTorch's default).
 
 Runs on CPU as well (a smoke test with --target random:llama-tiny); the figures mean something on a GPU.
 Writes its section of docs/benchmarks.md and, with --json, the rows.
@@ -99,7 +99,6 @@ def main() -> int:
     from kernels.attention import Segment
     from verify_server.kv_cache import KVCache
     from verify_server.model_loader import load_target, resolve_device, resolve_dtype
-    from verify_server import model_runner
     from verify_server.model_runner import ModelInput, ModelRunner
 
     device = resolve_device(args.device)
@@ -163,24 +162,23 @@ def main() -> int:
 
     # The default path with a new context length every step: the runner's kernels, and cuDNN's in the choice too.
     # Each step of a configuration gets a context no step of it had before, in either variant.
-    shipped = list(model_runner.CUDA_SDPA_BACKENDS)
+    runner = runners["sdpa"]
+    shipped = list(runner.sdpa_backends)
     variants = {"shipped": shipped, "cudnn": shipped + [torch.nn.attention.SDPBackend.CUDNN_ATTENTION]}
     new_shape: dict[tuple[int, int, str], list[float]] = {(n, t, v): [] for n, t in configs for v in variants}
     order = [(r, n, t, v) for r in range(args.rounds) for n, t in configs
              for v in (("shipped", "cudnn") if r % 2 == 0 else ("cudnn", "shipped"))]
     fresh = {(n, t): iter(range(1, growing + 1)) for n, t in configs}
-    try:
-        for _, n, t, v in tqdm(order, desc="new context each step", unit="config"):
-            model_runner.CUDA_SDPA_BACKENDS = variants[v]
-            for _ in range(args.growing_steps):
-                inp = batch(n, t, next(fresh[(n, t)]))
-                sync(torch, device)
-                t0 = time.perf_counter()
-                runners["sdpa"].forward(inp)
-                sync(torch, device)
-                new_shape[(n, t, v)].append(time.perf_counter() - t0)
-    finally:
-        model_runner.CUDA_SDPA_BACKENDS = shipped
+    for _, n, t, v in tqdm(order, desc="new context each step", unit="config"):
+        runner.sdpa_backends = variants[v]
+        for _ in range(args.growing_steps):
+            inp = batch(n, t, next(fresh[(n, t)]))
+            sync(torch, device)
+            t0 = time.perf_counter()
+            runner.forward(inp)
+            sync(torch, device)
+            new_shape[(n, t, v)].append(time.perf_counter() - t0)
+    runner.sdpa_backends = shipped
 
     rows, lines = [], ["| sessions | tokens each | per-segment ms | padded ms | speed-up | floor ms | "
                        "padded / floor | relative difference | same greedy token | new context each step ms | "

@@ -70,7 +70,7 @@ def _check_segments(inp: ModelInput) -> None:
 # On CUDA, with cuDNN's kernel in scaled_dot_product_attention's choice (its default), a step whose attention shape
 # PyTorch had not met before took 60-86 ms of host time instead of 11-16 ms (1B target, PyTorch 2.11, H100; the
 # efficient kernel ran either way: scripts/bench_gpu_step.py's "new context each step" columns), and the step's
-# longest context, hence its attention shape, changes at nearly every step.
+# longest context, hence its attention shape, changes at nearly every step. A runner's `sdpa_backends` starts as this.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # bench_engine's crossover on the AMD EPYC host this was first measured on (fused 0.97x PyTorch at 8 tokens, 1.07x
@@ -126,6 +126,7 @@ class ModelRunner:
         # None: calibrate_fused() measures it (the engine's warm-up); until then, a threshold measured on one host.
         self.fused_max_tokens = fused_max_tokens if fused_max_tokens is not None else UNCALIBRATED_FUSED_MAX_TOKENS
         self.fused = self._make_fused(fused)
+        self.sdpa_backends = list(CUDA_SDPA_BACKENDS)  # the attention kernels PyTorch may choose from, on CUDA
 
     def calibrate_fused(self, slot: int, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
                         timer=None) -> dict[int, float]:
@@ -202,7 +203,7 @@ class ModelRunner:
             _check_segments(inp)
             return self.fused(h, positions, slots, inp.logit_rows)
         if self.device.type == "cuda":
-            with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            with sdpa_kernel(self.sdpa_backends):
                 return self._forward(inp, h, positions, slots)
         return self._forward(inp, h, positions, slots)
 
