@@ -274,11 +274,11 @@ class _Generation:
                     await asyncio.sleep(wait)
                     continue
                 try:
-                    await self.open()
+                    await self.open_drafting()
                 except VerifyError as err:
                     self.outage(err)
                     continue
-            k = self.adaptive.k if self.adaptive is not None else self.k
+            k = self.round_k()
             t_round = time.perf_counter()
             self.drafting = [0.0, 0]
             proposal = await self.draft(k)
@@ -328,6 +328,31 @@ class _Generation:
                 r.finish_reason = verdict.finish_reason
                 return
 
+    def round_k(self) -> int:
+        """This round's draft length: the controller's (or the fixed) K, and never past the request's end: the
+        verdict adds a token of its own (the correction or the bonus), so a draft past max_tokens - 1 more would
+        be clipped by the server, its drafting wasted and its tokens counted as rejected."""
+        k = self.adaptive.k if self.adaptive is not None else self.k
+        return max(0, min(k, self.max_tokens - len(self.result.token_ids) - 1))
+
+    async def open_drafting(self) -> None:
+        """Open the session. On a generation's first open the device drafts its first round meanwhile, while the
+        server prefills the prompt, instead of after it: the draft waits as drafted ahead (`carry`) and the first
+        round sends it at once. A failed open drops it (the outage path may commit tokens of its own first)."""
+        k = self.round_k()
+        if self.opens or not k or self.carry is not None:
+            await self.open()
+            return
+        opening = asyncio.ensure_future(self.open())
+        try:
+            stop = self.adaptive.stop_rule() if self.adaptive is not None else None
+            early = await self._propose(self.context, k, stop)
+        except BaseException:
+            opening.cancel()
+            raise
+        await opening  # a failed open raises here, and the draft is dropped
+        self.carry = early
+
     async def _verify(self, round_: int, proposal: Proposal):
         verdict = await asyncio.wait_for(self.session.verify(round_, proposal), self.policy.round_timeout_s)
         self.verdict_at = time.perf_counter()
@@ -361,8 +386,9 @@ class _Generation:
         """Draft on past `proposal`, one token at a time, until its verdict is in or the next round is covered.
         The loop runs in one worker thread, not one hop per token: on a small device (and in the benchmark, which
         runs every device in one process) the hops would cost CPU that drafting and serving need."""
-        limit = (self.adaptive.k_max if self.adaptive is not None else self.k) + 1
+        # Tokens left once this draft and its verdict's token are in: the next draft's, and its bonus guess first.
         room = self.max_tokens - len(self.result.token_ids) - len(proposal.token_ids) - 1
+        limit = min((self.adaptive.k_max if self.adaptive is not None else self.k) + 1, room)
         if (not self.draft_ahead or not proposal.token_ids or proposal.token_ids[-1] in self.stop_ids
                 or room <= 0 or verify.done()):
             return Proposal([])

@@ -81,8 +81,10 @@ class FakeSession:
     each drafted token comes with the drafter's distribution at the context it is verified in (Q's row of the
     token before it): the q it was sampled from, whether it was drafted ahead or not."""
 
-    def __init__(self, context, max_tokens, seed, delay, target=P):
+    def __init__(self, context, max_tokens, seed, delay, target=P, greedy=False):
         self.context, self.left, self.delay, self.target = list(context), max_tokens, delay, target
+        # Greedy or not is the session's sampling, as on the server: an empty draft carries no q either way.
+        self.greedy = greedy
         self.rng = np.random.default_rng(seed)
         self.opened = codec.Opened("s", 8, V, 4096, "table")
 
@@ -98,7 +100,7 @@ class FakeSession:
         n, out = 0, None
         for i, x in enumerate(proposal.token_ids):
             p = self.target[self.context[-1]]
-            if proposal.q_ids is None:  # greedy
+            if self.greedy:
                 if x == int(np.argmax(p)):
                     self.context.append(x)
                     n += 1
@@ -119,7 +121,7 @@ class FakeSession:
             break
         if out is None and n < self.left:
             p = self.target[self.context[-1]]
-            out = int(np.argmax(p)) if proposal.q_ids is None else int(self.rng.choice(V, p=p))
+            out = int(np.argmax(p)) if self.greedy else int(self.rng.choice(V, p=p))
         if out is not None:
             self.context.append(out)
         self.left -= n + (out is not None)
@@ -140,7 +142,8 @@ class FakeClient:
         self.seed, self.delay, self.max_tokens, self.target = seed, delay, max_tokens, target
 
     async def open(self, msg, timeout=None, wait_for_ready=True):
-        return FakeSession(PROMPT, self.max_tokens, self.seed, self.delay, self.target)
+        return FakeSession(PROMPT, self.max_tokens, self.seed, self.delay, self.target,
+                           greedy=msg.open.sampling.temperature == 0)
 
 
 TOKENIZER = SimpleNamespace(eos_token_id=EOS, fingerprint="table",
@@ -250,3 +253,64 @@ def test_tokens_drafted_ahead_are_not_evaluated_again_when_they_go_out(target, k
     else:
         # After a miss a position is evaluated again, with the target's token: never the same token twice.
         assert len(drafter.fed) == len(set(drafter.fed))
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_no_token_is_drafted_past_the_request_end(adaptive):
+    """A round drafts at most max_tokens - committed - 1 tokens (the verdict adds one), and drafting ahead stops
+    where the request would end: tokens past it would be clipped by the server, their drafting wasted and
+    counted as rejected (the adaptive controller then sees a worse drafter than it has). A drafter that is always
+    right must see every drafted token accepted, and draft no more than the request's tokens in all."""
+    table = cycle(1, 2, 3, 1)
+
+    async def main():
+        drafter = TableDrafter(table)
+        result = await generate(FakeClient(0, 0.01, max_tokens=10, target=table), drafter, TOKENIZER, PROMPT,
+                                max_tokens=10, draft_tokens=8, adaptive=adaptive)
+        return drafter, result
+
+    drafter, result = asyncio.run(main())
+    assert len(result.token_ids) == 10
+    assert result.draft_tokens >= 8
+    assert result.accepted_tokens == result.draft_tokens
+    assert drafter.proposed <= 10
+
+
+def test_the_first_draft_is_made_while_the_session_opens():
+    """The server prefills the prompt while the device drafts its first round: the fake open waits (up to 2 s) for
+    the drafter to have proposed; drafting only after the open returned would make it wait the whole time."""
+    import threading
+    import time
+
+    table = cycle(1, 2, 3, 1)
+    proposed = threading.Event()
+    waited = []
+
+    class Drafter(TableDrafter):
+        def propose(self, context, k, stop=None):
+            proposal = super().propose(context, k, stop)
+            proposed.set()
+            return proposal
+
+    class SlowOpen(FakeClient):
+        async def open(self, msg, timeout=None, wait_for_ready=True):
+            t0 = time.perf_counter()
+            await asyncio.to_thread(proposed.wait, 2.0)
+            waited.append(time.perf_counter() - t0)
+            return await super().open(msg, timeout, wait_for_ready)
+
+    async def main():
+        drafter = Drafter(table)
+        result = await generate(SlowOpen(0, 0.001, max_tokens=20, target=table), drafter, TOKENIZER, PROMPT,
+                                max_tokens=20, draft_tokens=4, adaptive=False, draft_ahead=False)
+        return drafter, result
+
+    drafter, result = asyncio.run(main())
+    assert proposed.is_set() and waited[0] < 1.0
+    want, last = [], PROMPT[-1]
+    for _ in range(20):
+        last = int(np.argmax(table[last]))
+        want.append(last)
+    assert result.token_ids == want
+    assert result.accepted_tokens == result.draft_tokens  # the early draft went out as drafted, nothing lost
+    assert drafter.proposed == result.draft_tokens
