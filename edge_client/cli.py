@@ -39,9 +39,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="keep drafting while a draft is verified, guessing that all of it is accepted; the next "
                         "draft is then ready when the guess holds (default on; --no-draft-ahead waits)")
-    p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=False,
                    help="with the adaptive K, end a draft early at a token the drafter is too unsure of, by how often "
-                        "such tokens were accepted (default on; --no-confidence-stop always drafts K)")
+                        "such tokens were accepted (default off: at a loaded server it cut drafts too short; see "
+                        "README)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
@@ -84,7 +85,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="draft on while a draft is verified (default on)")
     p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=None,
-                   help="end an adaptive draft early at a token the drafter is too unsure of (default on)")
+                   help="end an adaptive draft early at a token the drafter is too unsure of (default off)")
     p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
     p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,

@@ -23,7 +23,7 @@ class EdgeConfig:
     adaptive_draft: bool = True  # choose K each round from acceptance, round trip and server load
     max_draft_tokens: int = 8  # the adaptive K's upper bound and first value
     draft_ahead: bool = True  # draft on while a draft is verified, used when the server accepts it all
-    confidence_stop: bool = True  # the adaptive draft ends early at a token the drafter is too unsure of
+    confidence_stop: bool = False  # the adaptive draft ends early at a token the drafter is too unsure of
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
     gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
     # llama.cpp flash attention: off by default. On the 2-core x86 test host it drafts 8% faster, and the

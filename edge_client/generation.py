@@ -429,7 +429,7 @@ async def generate(
     max_draft_tokens: int = 8,
     draft_ahead: bool = True,
     controller: AdaptiveDraftLength | None = None,
-    confidence_stop: bool = True,
+    confidence_stop: bool = False,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 

@@ -89,8 +89,8 @@ def test_the_controller_learns_what_each_confidence_is_worth():
     whose unsure tokens are accepted all the same (a quantized copy of the target). At a server where a verified
     token costs about half a committed one, the first is stopped before an unsure token, the second is not."""
     rng = np.random.default_rng(0)
-    weak = AdaptiveDraftLength(k_max=8, k_initial=8)
-    strong = AdaptiveDraftLength(k_max=8, k_initial=8)
+    weak = AdaptiveDraftLength(k_max=8, k_initial=8, confidence_stop=True)
+    strong = AdaptiveDraftLength(k_max=8, k_initial=8, confidence_stop=True)
     order = (0.9, 0.9, 0.15, 0.9)
     rounds(weak, 60, lambda c: 0.2 if c < 0.5 else 0.97, rng, k_conf=order)
     rounds(strong, 60, lambda c: 0.97, rng, k_conf=order)
@@ -104,7 +104,7 @@ def test_the_controller_learns_what_each_confidence_is_worth():
 
 def test_no_rule_until_enough_is_learned_nor_when_switched_off():
     rng = np.random.default_rng(1)
-    ctrl = AdaptiveDraftLength(k_max=8, k_initial=8)
+    ctrl = AdaptiveDraftLength(k_max=8, k_initial=8, confidence_stop=True)
     assert ctrl.stop_rule() is None
     rounds(ctrl, 1, lambda c: 1.0, rng)
     assert ctrl.stop_rule() is None  # 8 tokens seen, under CALIBRATION_MIN
@@ -113,7 +113,7 @@ def test_no_rule_until_enough_is_learned_nor_when_switched_off():
     off = AdaptiveDraftLength(k_max=8, k_initial=8, confidence_stop=False)
     rounds(off, 10, lambda c: 1.0, rng)
     assert off.stop_rule() is None
-    blind = AdaptiveDraftLength(k_max=8, k_initial=8)
+    blind = AdaptiveDraftLength(k_max=8, k_initial=8, confidence_stop=True)
     for _ in range(10):
         blind.observe(RoundSample(8, 8, 0.0, 0.04, 0.0035))  # a drafter without confidence
     assert blind.stop_rule() is None
@@ -233,12 +233,12 @@ def test_the_switch_is_a_device_setting(tmp_path):
     from edge_client.cli import build_parser, serve_config
     from edge_client.config import load_edge_config
 
-    assert load_edge_config().confidence_stop is True
-    assert load_edge_config(confidence_stop=False).confidence_stop is False
+    assert load_edge_config().confidence_stop is False  # off by default (README: it cut drafts short under load)
+    assert load_edge_config(confidence_stop=True).confidence_stop is True
     with pytest.raises(ValueError, match="confidence_stop must be true or false"):
         load_edge_config(confidence_stop="off")
-    off = AdaptiveDraftLength.for_device(8, True, confidence_stop=False)
-    assert off.confidence_stop is False
+    assert AdaptiveDraftLength.for_device(8, True).confidence_stop is False
+    assert AdaptiveDraftLength.for_device(8, True, confidence_stop=True).confidence_stop is True
     # The daemon's flag overrides its YAML, both ways; no flag leaves the YAML's word.
     yaml_off = tmp_path / "device.yaml"
     yaml_off.write_text("confidence_stop: false\n")
@@ -246,6 +246,10 @@ def test_the_switch_is_a_device_setting(tmp_path):
     assert serve_config(parse(["serve", "--config", str(yaml_off)])).confidence_stop is False
     assert serve_config(parse(["serve", "--config", str(yaml_off), "--confidence-stop"])).confidence_stop is True
     assert serve_config(parse(["serve", "--no-confidence-stop"])).confidence_stop is False
+    yaml_on = tmp_path / "on.yaml"
+    yaml_on.write_text("confidence_stop: true\n")
+    assert serve_config(parse(["serve", "--config", str(yaml_on)])).confidence_stop is True
+    assert serve_config(parse(["serve", "--config", str(yaml_on), "--no-confidence-stop"])).confidence_stop is False
 
 
 def test_a_drafted_token_goes_out_at_its_step_share_and_another_is_drafted_only_where_worth_its_drafting():
@@ -276,7 +280,7 @@ def test_a_draft_of_average_tokens_reaches_the_chosen_k(draft_s, sessions, ahead
     token was priced at what it adds to a round on average, there more than a committed token's worth (drafts of
     1.6 tokens in the system benchmark at 4 devices, 0.73x the best fixed K); and the rule compared the learned
     chances of its confidence bins with the recent rounds' acceptance, which can differ by more than a token."""
-    ctrl = AdaptiveDraftLength(k_max=8, k_initial=8, ahead=ahead)
+    ctrl = AdaptiveDraftLength(k_max=8, k_initial=8, ahead=ahead, confidence_stop=True)
     position = 0
     for _ in range(40):
         k = ctrl.k
