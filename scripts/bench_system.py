@@ -4,8 +4,8 @@
 
 1. Record: for each prompt, the target's greedy output (through SLED) and, at every prefix of it,
    the real drafter's greedy proposal of up to 8 tokens (llama.cpp Q4_1); and one drafter's time per
-   token when it runs alone on this machine before the server starts (a device has its own hardware; the
-   median of three runs).
+   token when it runs alone on this machine before the server starts (a device has its own hardware: the
+   drafter uses this machine's cores, --device-threads; the median of three runs).
 2. Replay: devices propose exactly what the real drafter proposes at their context (contexts are
    prefixes of the fixed greedy output), sleeping for the drafting time instead of computing, so the
    server's capacity is measured apart from drafting: on one 2-core machine, drafters and server
@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import threading
 import time
@@ -541,7 +542,11 @@ def main() -> int:
     ap.add_argument("--max-wait-ms", type=float, default=3.0, help="the server's batching window (default 3)")
     ap.add_argument("--device-ms-per-token", type=float,
                     help="drafting time per token on a device (default: the one a --draft-match FILE recorded, else "
-                         "measured here for llama.cpp Q4_1, 1 thread)")
+                         "measured here for llama.cpp Q4_1 with --device-threads)")
+    ap.add_argument("--device-threads", type=int, default=os.cpu_count() or 1,
+                    help="llama.cpp threads of the drafter measured alone for the devices' drafting time (default: "
+                         "this machine's cores, %(default)s: each replayed device stands for a machine like this one "
+                         "drafting on all its cores, as the device configs do; 1 gives a one-core device)")
     ap.add_argument("--target", metavar="SPEC",
                     help="the server's target (default: SmolLM2-135M-Instruct); random:llama-1b or random:llama-8b for "
                          "a GPU capacity run, with synthesized drafts")
@@ -602,6 +607,8 @@ def main() -> int:
         ap.error("--max-tokens must be positive")
     if args.draft_match is not None and not 0 <= args.draft_match <= 1:
         ap.error("--draft-match must be in [0, 1]")
+    if args.device_threads < 1:
+        ap.error("--device-threads must be positive")
     if args.device_ms_per_token is not None and args.device_ms_per_token <= 0:
         ap.error("--device-ms-per-token must be positive")
     if args.match_only and (args.draft_match is not None or random_target):
@@ -627,7 +634,7 @@ def main() -> int:
     else:
         # Device-only, and the device's drafting time: one drafter alone, unverified, before the server starts (a
         # device has its own hardware); the median of three runs, as this machine's speed wanders.
-        alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
+        alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=args.device_threads))
         for _ in range(3):
             context = list(ids[0])
             alone.begin(context, SamplingParams())
@@ -637,7 +644,7 @@ def main() -> int:
             alone_ms.append((time.perf_counter() - t1) / args.max_tokens * 1000)
         alone.close()
         device_spt = float(np.median(alone_ms)) / 1000
-        print(f"[bench] one llama.cpp drafter alone: {', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; "
+        print(f"[bench] one llama.cpp drafter alone, {args.device_threads} thread(s): {', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; "
               f"median {device_spt * 1000:.1f}", flush=True)
     spt = device_spt
     server = ServerProcess(*server_flags(top, args.max_wait_ms), *extra)
@@ -729,7 +736,8 @@ def main() -> int:
         + target_line
         + f"replayed at {spt * 1000:.1f} ms/token of drafting per device"
         + (f" ({drafting_source})" if drafting_source else "")
-        + (f" (one llama.cpp drafter alone, 1 thread, before the server started: "
+        + (f" (one llama.cpp drafter alone, {args.device_threads} thread{'s' * (args.device_threads > 1)}, before "
+           "the server started: "
            f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; the median)" if alone_ms else "")
         + f"; `sled` uses the adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"
         + drafting_line(runs, spt)
