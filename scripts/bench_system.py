@@ -41,6 +41,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -713,6 +714,11 @@ def main() -> int:
 
     finally:
         server.stop()
+    # The server's start-up choice of kernel for large steps (its warm-up times them), which moves SLED's figures
+    # at many devices: a run where it came out low is visible as such.
+    fused = re.search(r"warm in .*fused up to (\d+) tokens", server.log.read_text())
+    fused_line = (f"- server kernel: the fused CPU step for steps of up to {fused.group(1)} tokens (unless set, timed "
+                  "against PyTorch at start-up), PyTorch above\n" if fused else "")
 
     t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
@@ -745,7 +751,8 @@ def main() -> int:
         "system prompt, so prompt tokens copied from the prefix cache (sled / server-only): "
         + ", ".join(f"{n} devices {share(by[('sled', n)])} / {share(by[('server-only', n)])}" for n in counts)
         + " (none: no request started inside the window)\n"
-        f"- load: a closed loop, each device sending requests of {args.max_tokens} greedy tokens back to back (its "
+        + fused_line
+        + f"- load: a closed loop, each device sending requests of {args.max_tokens} greedy tokens back to back (its "
         f"own turn through the {len(ids)} prompts); tokens/s count the tokens committed in a {args.seconds:g} s "
         f"window that opens {args.warmup_s:g} s after all devices start, or later, once every device has committed "
         "its first round (the first prompts' prefill at many devices can outlast the warm-up), so every device is busy "

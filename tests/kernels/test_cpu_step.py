@@ -189,6 +189,36 @@ def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
     assert set(ratios) <= {1, 2, 4, 8} and fused.fused_max_tokens in (0, *ratios)
 
 
+def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops_there():
+    """One disturbed stretch (a fresh or busy host) made the fused step look slower at a size where it wins by
+    1.2x, and the threshold stopped there, sending a loaded server's large steps through PyTorch. A loss is
+    timed again; a real one still stops the calibration, after the re-timing."""
+    model = _model(*SHAPES["head10-tails"])
+    fused, _ = _runners(model)
+    seen = []
+
+    def blip(n, f):  # at 8 tokens the first three pairs find the fused step disturbed; it wins everywhere else
+        seen.append((n, f))
+        if n == 8 and f and seen.count((8, True)) <= 3:
+            return 20.0
+        return 4.0 if f else 5.0
+
+    ratios = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=blip)
+    assert fused.fused_max_tokens == 16 and ratios[8] == pytest.approx(0.8)
+    assert seen.count((8, True)) == seen.count((8, False)) == 6  # one more round of three pairs at 8
+    assert seen.count((4, True)) == 3
+
+    seen.clear()
+    real_loss = {1: (1, 2), 2: (2, 3), 4: (5, 4), 8: (1, 9)}  # PyTorch wins at 4 every time; 8 is never tried
+    ratios = fused.calibrate_fused(0, sizes=tuple(real_loss),
+                                   timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f])
+    assert fused.fused_max_tokens == 2 and list(ratios) == [1, 2, 4]
+    assert seen.count((4, True)) == seen.count((4, False)) == 9  # three rounds of three pairs, then it stops
+    fused.calibrate_fused(0, sizes=tuple(real_loss), confirm=0,
+                          timer=lambda n, f: real_loss[n][not f])
+    assert fused.fused_max_tokens == 2
+
+
 @pytest.mark.model
 def test_the_engine_measures_the_threshold_only_when_it_is_unset(target):
     from verify_server.config import ServerConfig
