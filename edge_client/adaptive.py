@@ -67,9 +67,10 @@ drafter with no confidence (n-gram, replayed synthetic drafts) is never stopped.
 
 The rule is off by default on a device (`confidence_stop=False`; the agent's `--confidence-stop` turns it on). In
 scripts/bench_system.py on this 2-core machine at 32 devices (one pass per configuration, 8 s windows), the rule cut
-the drafts the controller sized at K about 8 to 2.7 tokens on average, mostly tokens drafted ahead whose share of the
-step the server's load priced above their chance, and the adaptive K committed 0.87x and 0.94x the best fixed K
-(K = 4) in two runs; with the rule off, 0.97x at mean K 7.2. Its pricing charges a token cut from a draft its whole
+the drafts the controller sized at K about 8 to a third of that, mostly tokens drafted ahead whose share of the step
+the server's load priced above their chance, and the adaptive K fell further behind the best fixed K than with the
+rule off (figures in commit 8a4ca57's message; the controller's samples and the rule-off run came from probes, not
+commands in the repo). Its pricing charges a token cut from a draft its whole
 share of the step, though a cut only defers that token (the next round drafts it again and sends it first): what a
 cut saves is the tokens after it, and only where it is rejected, while every cut adds a round, whose step slot and
 round-trip overheads the price leaves out. It stays an option until that pricing is redone.

@@ -345,13 +345,17 @@ class _Generation:
             return
         opening = asyncio.ensure_future(self.open())
         try:
-            stop = self.adaptive.stop_rule() if self.adaptive is not None else None
+            stop = self._stop_rule()
             early = await self._propose(self.context, k, stop)
         except BaseException:
             opening.cancel()
             raise
         await opening  # a failed open raises here, and the draft is dropped
         self.carry = early
+
+    def _stop_rule(self):
+        """The adaptive controller's confidence stop rule for this draft, or None (no controller, or no rule)."""
+        return self.adaptive.stop_rule() if self.adaptive is not None else None
 
     async def _verify(self, round_: int, proposal: Proposal):
         verdict = await asyncio.wait_for(self.session.verify(round_, proposal), self.policy.round_timeout_s)
@@ -364,7 +368,7 @@ class _Generation:
         carry, self.carry = self.carry, None
         if not k:
             return Proposal([])
-        stop = self.adaptive.stop_rule() if self.adaptive is not None else None
+        stop = self._stop_rule()
         if carry is None or not carry.token_ids:
             return await self._propose(self.context, k, stop)
         proposal = _cut(carry, 0, k)

@@ -645,8 +645,8 @@ def main() -> int:
             alone_ms.append((time.perf_counter() - t1) / args.max_tokens * 1000)
         alone.close()
         device_spt = float(np.median(alone_ms)) / 1000
-        print(f"[bench] one llama.cpp drafter alone, {args.device_threads} thread(s): {', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; "
-              f"median {device_spt * 1000:.1f}", flush=True)
+        print(f"[bench] one llama.cpp drafter alone, {args.device_threads} thread(s): "
+              f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; median {device_spt * 1000:.1f}", flush=True)
     spt = device_spt
     server = ServerProcess(*server_flags(top, args.max_wait_ms), *extra)
     address = server.start()

@@ -142,7 +142,7 @@ class ModelRunner:
         ratios, best = {}, 0
         for n in (n for n in sizes if n <= self.kv.max_seq_len):
             times = {True: [], False: []}
-            for attempt in range(1 + confirm):
+            for _ in range(1 + confirm):
                 for _ in range(repeats):
                     for fused in (True, False):
                         times[fused].append(timer(n, fused))
