@@ -214,9 +214,11 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
                                    timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f])
     assert fused.fused_max_tokens == 2 and list(ratios) == [1, 2, 4]
     assert seen.count((4, True)) == seen.count((4, False)) == 9  # three rounds of three pairs, then it stops
+    seen.clear()
     fused.calibrate_fused(0, sizes=tuple(real_loss), confirm=0,
-                          timer=lambda n, f: real_loss[n][not f])
+                          timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f])
     assert fused.fused_max_tokens == 2
+    assert seen.count((4, True)) == 3  # confirm=0: no re-timing
 
 
 @pytest.mark.model
