@@ -41,7 +41,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -250,6 +249,22 @@ class Window:
 # The window waits for every device's first commit, but not past this: a device the server starves is then
 # counted as it is (it shows as a low per-device rate).
 MAX_OPEN_WAIT_S = 120.0
+
+
+async def server_info(address: str):
+    """The server's Info (its target, kernels and counters)."""
+    client = VerifierClient(address)
+    try:
+        return await client.info()
+    finally:
+        await client.close()
+
+
+def kernel_line(info) -> str:
+    """The server's kernels as its Info gives them, for the benchmark section."""
+    fused = (f"the fused CPU step for steps of up to {info.fused_max_tokens} tokens (unless set, timed against PyTorch "
+             "at start-up), PyTorch above" if info.fused_max_tokens else "no fused CPU step")
+    return f"- server kernels: {info.device} {info.dtype}, {info.attention} attention, {info.linear} linear; {fused}\n"
 
 
 async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens, k, warmup_s, seconds,
@@ -712,13 +727,11 @@ def main() -> int:
                          "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0,
                          "server_busy_share": 0.0})
 
+        # The server's kernels, with its start-up choice of kernel for large steps (its warm-up times them), which
+        # moves SLED's figures at many devices: a run where it came out low is visible as such.
+        kernels = asyncio.run(server_info(address))
     finally:
         server.stop()
-    # The server's start-up choice of kernel for large steps (its warm-up times them), which moves SLED's figures
-    # at many devices: a run where it came out low is visible as such.
-    fused = re.search(r"warm in .*fused up to (\d+) tokens", server.log.read_text())
-    fused_line = (f"- server kernel: the fused CPU step for steps of up to {fused.group(1)} tokens (unless set, timed "
-                  "against PyTorch at start-up), PyTorch above\n" if fused else "")
 
     t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
@@ -751,7 +764,7 @@ def main() -> int:
         "system prompt, so prompt tokens copied from the prefix cache (sled / server-only): "
         + ", ".join(f"{n} devices {share(by[('sled', n)])} / {share(by[('server-only', n)])}" for n in counts)
         + " (none: no request started inside the window)\n"
-        + fused_line
+        + kernel_line(kernels)
         + f"- load: a closed loop, each device sending requests of {args.max_tokens} greedy tokens back to back (its "
         f"own turn through the {len(ids)} prompts); tokens/s count the tokens committed in a {args.seconds:g} s "
         f"window that opens {args.warmup_s:g} s after all devices start, or later, once every device has committed "

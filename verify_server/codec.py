@@ -103,7 +103,7 @@ def closed_to_pb(generated: int) -> pb.ServerMessage:
 
 
 def info_to_pb(target_name: str, fingerprint: str, vocab_size: int, context_limit: int, max_draft_tokens: int,
-               max_sessions: int, eos_ids, stats: dict) -> pb.ServerInfo:
+               max_sessions: int, eos_ids, stats: dict, kernels: dict) -> pb.ServerInfo:
     return pb.ServerInfo(target_name=target_name, tokenizer_fingerprint=fingerprint, vocab_size=vocab_size,
                          context_limit=context_limit, max_draft_tokens=max_draft_tokens, max_sessions=max_sessions,
-                         eos_token_ids=list(eos_ids), stats=pb.ServerStats(**stats))
+                         eos_token_ids=list(eos_ids), stats=pb.ServerStats(**stats), **kernels)

@@ -45,6 +45,7 @@ class Engine:
         self.kv = KVCache(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
                           config.max_seq_len, head_dim, param.dtype, param.device)
         self.runner = ModelRunner(target.model, self.kv, attention, config.linear, config.fused, config.fused_max_tokens)
+        self._kernels = self.runner.kernels()
         self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_tokens)
         self.scheduler = Scheduler(config)
         self.metrics = Metrics(max_positions=config.max_draft_tokens)
@@ -95,6 +96,13 @@ class Engine:
             "sessions_opened": m.sessions_opened,
             "prefix_cache_hit_tokens": m.prefix_cache_hit_tokens,
         }
+
+    def kernels(self) -> dict:
+        """The runner's kernels (ModelRunner.kernels), as of the warm-up's calibration; kept once the runner is let
+        go at stop."""
+        if self.runner is not None:
+            self._kernels = self.runner.kernels()
+        return self._kernels
 
     # ---- lifecycle ----
 

@@ -91,6 +91,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.prepare_attention, self.attention = ATTENTION[attention]
+        self.attention_name = attention
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -127,6 +128,13 @@ class ModelRunner:
         self.fused_max_tokens = fused_max_tokens if fused_max_tokens is not None else UNCALIBRATED_FUSED_MAX_TOKENS
         self.fused = self._make_fused(fused)
         self.sdpa_backends = list(CUDA_SDPA_BACKENDS)  # the attention kernels PyTorch may choose from, on CUDA
+
+    def kernels(self) -> dict:
+        """How this runner computes: device, dtype, attention and linear kernels, and the largest step (in tokens)
+        the fused CPU step takes, 0 where it is not used. The server's Info carries it."""
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "attention": self.attention_name, "linear": self.linear,
+                "fused_max_tokens": self.fused_max_tokens if self.fused is not None else 0}
 
     def calibrate_fused(self, slot: int, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
                         timer=None, confirm: int = 2) -> dict[int, float]:

@@ -83,10 +83,11 @@ class VerifyServer:
             engine.metrics.serve(cfg.metrics_port, cfg.host)
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        fused = (f"fused up to {engine.runner.fused_max_tokens} tokens" if engine.runner.fused is not None
-                 else "not fused")
-        log.info("target %s warm in %.1fs (%s attention, %s linear, %s): SERVING", self.target.name,
-                 time.monotonic() - t0, self.attention, engine.runner.linear, fused)
+        kernels = engine.kernels()
+        fused = (f"fused up to {kernels['fused_max_tokens']} tokens" if kernels["fused_max_tokens"] else "not fused")
+        log.info("target %s warm in %.1fs (%s %s, %s attention, %s linear, %s): SERVING", self.target.name,
+                 time.monotonic() - t0, kernels["device"], kernels["dtype"], kernels["attention"], kernels["linear"],
+                 fused)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -97,7 +97,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         engine = self._engine()
         cfg = self.config
         return codec.info_to_pb(engine.target.name, engine.target.fingerprint, engine.vocab_size, cfg.max_seq_len,
-                                cfg.max_draft_tokens, cfg.max_sessions, sorted(engine.eos_ids), engine.stats())
+                                cfg.max_draft_tokens, cfg.max_sessions, sorted(engine.eos_ids), engine.stats(),
+                                engine.kernels())
 
 
 async def _abort_for(err: Exception, context, method: str) -> None:

@@ -261,9 +261,9 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert sled["drafting_ms_per_token"] >= 10.0 - 1e-6
     assert re.search(r"- the replayed devices drafted at [\d.]+-[\d.]+ ms/token \(median [\d.]+\) over the counted "
                      r"runs, 10\.00 asked", text)
-    # the server's kernel choice for large steps, from its log (float32 on CPU: the fused step, calibrated)
-    assert re.search(r"- server kernel: the fused CPU step for steps of up to \d+ tokens \(unless set, timed against "
-                     r"PyTorch at start-up\), PyTorch above\n", text)
+    # the server's kernels from its Info (float32 on CPU: the fused step, its threshold calibrated at start-up)
+    assert re.search(r"- server kernels: cpu float32, sdpa attention, \w+ linear; the fused CPU step for steps of up "
+                     r"to [1-9]\d* tokens \(unless set, timed against PyTorch at start-up\), PyTorch above\n", text)
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
     assert ("SLED / server-only ≤ device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
