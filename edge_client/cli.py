@@ -118,12 +118,101 @@ def _add_workload(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write the summary to FILE")
 
 
+def _add_info(sub) -> None:
+    p = sub.add_parser(
+        "info",
+        help="ask a verify server what it serves and how it has done since it started",
+        description="Print the server's target, vocabulary, limits, kernels and counters (steps, acceptance, step "
+                    "and queue time), or with --json the whole answer. Exit 1 when the server does not answer.",
+    )
+    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="verify server address (default 127.0.0.1:50051)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long to wait for the server's answer (default 5)")
+    p.add_argument("--json", action="store_true", help="print the answer as JSON (protobuf field names)")
+
+
+def describe_info(info) -> str:
+    """A verify server's Info, for people."""
+    st = info.stats
+    lines = [f"target: {info.target_name}",
+             f"vocabulary: {info.vocab_size} tokens (fingerprint {info.tokenizer_fingerprint[:16]}), "
+             f"EOS {', '.join(map(str, info.eos_token_ids)) or 'none'}",
+             f"limits: context {info.context_limit} tokens, drafts of up to {info.max_draft_tokens} tokens, "
+             f"{info.max_sessions} sessions ({st.active_sessions} open, {st.free_slots} KV slots free)"]
+    if info.device:  # a server older than the kernel fields leaves them empty
+        fused = (f"the fused CPU step for steps of up to {info.fused_max_tokens} tokens" if info.fused_max_tokens
+                 else "no fused CPU step")
+        lines.append(f"kernels: {info.device} {info.dtype}, {info.attention} attention, {info.linear} linear; {fused}")
+    line = f"since start: {st.sessions_opened} sessions, {st.steps} steps, {st.verifications} verifications"
+    if st.steps:
+        line += (f"; per step {st.step_seconds_total / st.steps * 1000:.1f} ms "
+                 f"(forward {st.forward_seconds_total / st.steps * 1000:.1f} ms), most sessions in one step "
+                 f"{st.max_step_sessions}")
+    lines.append(line)
+    if st.verifications:
+        lines.append(f"verification: {st.queue_wait_seconds_total / st.verifications * 1000:.1f} ms mean queue wait; "
+                     f"{st.emitted_tokens} tokens emitted")
+    if st.draft_tokens:
+        lines.append(f"drafts: {st.drafts} with tokens, {st.draft_tokens} tokens drafted, {st.accepted_tokens} "
+                     f"accepted (acceptance {st.accepted_tokens / st.draft_tokens:.2f})")
+    if st.prefill_tokens or st.prefix_cache_hit_tokens:
+        lines.append(f"prefill: {st.prefill_tokens} prompt tokens computed, {st.prefix_cache_hit_tokens} copied from "
+                     "the prefix cache")
+    return "\n".join(lines)
+
+
+async def _info(args):
+    from .transport import VerifierClient
+
+    client = VerifierClient(args.server)
+    try:
+        return await client.info(timeout=args.timeout)
+    finally:
+        await client.close()
+
+
+def _plain(msg) -> dict:
+    """A message as a dict of its fields, every field present, counters as numbers (protobuf's own JSON mapping
+    writes 64-bit integers as strings)."""
+    out = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None:
+            out[field.name] = _plain(value)
+        elif hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
+            out[field.name] = list(value)
+        else:
+            out[field.name] = value
+    return out
+
+
+def _run_info(args) -> int:
+    from .transport import VerifyError
+
+    if not args.timeout > 0:
+        print("sled-edge info: --timeout must be > 0", file=sys.stderr)
+        return 2
+    try:
+        info = asyncio.run(_info(args))
+    except VerifyError as err:
+        within = f" within {args.timeout:g}s" if err.code == "DEADLINE_EXCEEDED" else ""
+        print(f"sled-edge info: no answer from {args.server}{within} ({err})", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(_plain(info), indent=2))
+    else:
+        print(f"server {args.server}\n" + "\n".join(f"  {x}" for x in describe_info(info).splitlines()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sled-edge", description="SLED device side: draft locally, verify on the server.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
     _add_workload(sub)
+    _add_info(sub)
     return parser
 
 
@@ -199,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         from .workload import main_workload
 
         return main_workload(args)
+    if args.command == "info":
+        return _run_info(args)
     from .transport import VerifyError
 
     try:

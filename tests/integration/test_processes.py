@@ -1,6 +1,7 @@
 """Real processes: a sled-server and sled-edge devices talking over loopback."""
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -75,6 +76,38 @@ def test_edge_reports_a_refusal_clearly(server_process, tmp_path):
     assert done.returncode == 2 and "does not exist" in done.stderr
 
 
+def test_sled_edge_info_reports_the_servers_kernels_and_counts_a_generation(server_process):
+    _, address, log = server_process
+    before = edge(["info", "--server", address, "--json"], timeout=60)
+    assert before.returncode == 0, before.stderr
+    before = json.loads(before.stdout)
+    done = edge(["generate", PROMPTS[1], "--server", address, "--drafter", "none", "--max-tokens", "12", "--quiet"])
+    assert done.returncode == 0, done.stderr
+    after = json.loads(edge(["info", "--server", address, "--json"], timeout=60).stdout)
+    assert after["target_name"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and after["vocab_size"] == 49152
+    assert after["max_sessions"] == 8 and after["context_limit"] == 512
+    # the threshold its start-up calibration chose, as its log says it
+    fused = re.search(r"warm in .*fused up to (\d+) tokens", log.read_text())
+    assert fused and after["fused_max_tokens"] == int(fused.group(1)) > 0
+    assert (after["device"], after["dtype"], after["attention"]) == ("cpu", "float32", "sdpa")
+    grew = {k: after["stats"][k] - before["stats"][k] for k in ("sessions_opened", "emitted_tokens", "draft_tokens")}
+    assert grew == {"sessions_opened": 1, "emitted_tokens": 12, "draft_tokens": 0}
+    assert after["stats"]["steps"] >= before["stats"]["steps"] + 12
+    text = edge(["info", "--server", address], timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert "target: SmolLM2-135M-Instruct.Q4_1.gguf" in text.stdout
+    assert f"kernels: cpu float32, sdpa attention, {after['linear']} linear; the fused CPU step for steps of up to " \
+           f"{after['fused_max_tokens']} tokens" in text.stdout
+
+
+def test_sled_edge_info_says_when_no_server_answers():
+    done = edge(["info", "--server", f"127.0.0.1:{free_port()}", "--timeout", "1"], timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert "no answer from 127.0.0.1:" in done.stderr and "within 1s" in done.stderr
+    done = edge(["info", "--timeout", "0"], timeout=60)
+    assert done.returncode == 2 and "--timeout must be > 0" in done.stderr
+
+
 def test_help_documents_every_option():
     server = subprocess.run([BIN / "sled-server", "--help"], capture_output=True, text=True)
     for flag in ("--host", "--port", "--target", "--config", "--max-batch-sessions", "--max-batch-tokens",
@@ -84,6 +117,9 @@ def test_help_documents_every_option():
     for flag in ("--server", "--drafter", "--draft-model", "--draft-tokens", "--max-tokens", "--temperature",
                  "--top-k", "--top-p", "--seed", "--stats-json"):
         assert flag in gen.stdout
+    info = edge(["info", "--help"])
+    for flag in ("--server", "--timeout", "--json"):
+        assert flag in info.stdout
 
 
 def test_every_script_with_a_main_answers_help_without_starting_anything():
