@@ -196,8 +196,10 @@ def _run_info(args) -> int:
     try:
         info = asyncio.run(_info(args))
     except VerifyError as err:
-        within = f" within {args.timeout:g}s" if err.code == "DEADLINE_EXCEEDED" else ""
-        print(f"sled-edge info: no answer from {args.server}{within} ({err})", file=sys.stderr)
+        if err.code == "DEADLINE_EXCEEDED":  # nothing listens there, or nothing reaches it
+            print(f"sled-edge info: no answer from {args.server} within {args.timeout:g}s ({err})", file=sys.stderr)
+        else:  # e.g. UNAVAILABLE while the model loads
+            print(f"sled-edge info: {args.server} answered {err}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(_plain(info), indent=2))

@@ -210,7 +210,9 @@ def test_idle_session_is_freed_and_then_unknown(make_server, target):
     run(go())
 
 
-def test_health_is_not_serving_until_warm(make_server):
+def test_health_is_not_serving_until_warm(make_server, capsys):
+    from edge_client.cli import main as edge_main
+
     server = make_server(load=False)
 
     async def status():
@@ -224,6 +226,8 @@ def test_health_is_not_serving_until_warm(make_server):
 
     assert run(status()) == health_pb2.HealthCheckResponse.NOT_SERVING
     run(early_session())
+    assert edge_main(["info", "--server", server.address]) == 1  # the CLI says what the server answered
+    assert f"sled-edge info: {server.address} answered UNAVAILABLE:" in capsys.readouterr().err
     server.load()
     assert run(status()) == health_pb2.HealthCheckResponse.SERVING
 
