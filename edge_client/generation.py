@@ -3,7 +3,8 @@
 Drafting ahead (on by default, as SpecEdge's proactive drafting): while a draft is being verified, the
 drafter goes on as if the server will accept all of it and emit the drafter's own next token as the bonus.
 When that is what happens, the next round's draft is already (partly) made and goes out at once, so
-drafting overlaps verification instead of following it. When it is not, the extra tokens are dropped
+drafting overlaps verification instead of following it; tokens past that draft's K are where its own drafting
+ahead starts. When it is not, the extra tokens are dropped
 with the drafter's rollback. Losslessness is untouched: every token, drafted ahead or not, is verified
 with exactly the distribution it was sampled from, given the context it continues.
 
@@ -159,6 +160,9 @@ class _Generation:
         self.adaptive = adaptive if draft_tokens > 0 else None
         self.draft_ahead = draft_ahead and draft_tokens > 0
         self.carry: Proposal | None = None  # drafted ahead, continuing the committed context
+        # The carry's tokens past this round's draft (a carry longer than its K): they continue the draft, so the
+        # drafting ahead during its verification starts from them instead of drafting them again.
+        self.spare: Proposal | None = None
         self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
         self.verdict_at = 0.0  # when this round's verdict came
 
@@ -295,7 +299,7 @@ class _Generation:
                 if isinstance(err, asyncio.TimeoutError):
                     err = VerifyError("DEADLINE_EXCEEDED", f"no verdict within {self.policy.round_timeout_s:g}s")
                 self.session.cancel()
-                self.session, self.carry = None, None
+                self.session, self.carry, self.spare = None, None, None
                 self.outage(err)
                 self.next_attempt = time.monotonic()  # first try again at once: the server may be back already
                 continue
@@ -365,7 +369,7 @@ class _Generation:
     async def draft(self, k: int) -> Proposal:
         """This round's k tokens: those drafted ahead during the last round first, the rest drafted now; fewer where
         the adaptive controller's stop rule ends the draft at a token the drafter is too unsure of."""
-        carry, self.carry = self.carry, None
+        carry, self.carry, self.spare = self.carry, None, None
         if not k:
             return Proposal([])
         stop = self._stop_rule()
@@ -380,6 +384,8 @@ class _Generation:
                     break
         self.result.ahead_rounds += 1
         self.result.ahead_tokens += len(proposal.token_ids)
+        if len(carry.token_ids) > len(proposal.token_ids):
+            self.spare = _cut(carry, len(proposal.token_ids))
         if (len(proposal.token_ids) < k and proposal.token_ids[-1] not in self.stop_ids
                 and (stop is None or stop.more())):
             rest = await self._propose(self.context + proposal.token_ids, k - len(proposal.token_ids), stop)
@@ -388,30 +394,39 @@ class _Generation:
 
     async def draft_while(self, verify: asyncio.Future, proposal: Proposal) -> Proposal:
         """Draft on past `proposal`, one token at a time, until its verdict is in or the next round is covered.
+        It starts from the spare (what the last round drafted ahead past this draft), which continues it exactly.
         The loop runs in one worker thread, not one hop per token: on a small device (and in the benchmark, which
         runs every device in one process) the hops would cost CPU that drafting and serving need."""
+        spare, self.spare = self.spare or Proposal([]), None
         # Tokens left once this draft and its verdict's token are in: the next draft's, and its bonus guess first.
         room = self.max_tokens - len(self.result.token_ids) - len(proposal.token_ids) - 1
         limit = min((self.adaptive.k_max if self.adaptive is not None else self.k) + 1, room)
         if (not self.draft_ahead or not proposal.token_ids or proposal.token_ids[-1] in self.stop_ids
-                or room <= 0 or verify.done()):
+                or room <= 0):
             return Proposal([])
+        spare = _cut(spare, 0, limit)
+        if verify.done() or len(spare.token_ids) >= limit or (spare.token_ids and spare.token_ids[-1] in self.stop_ids):
+            return spare
         arrived = threading.Event()
         verify.add_done_callback(lambda _: arrived.set())
-        return await asyncio.to_thread(self._draft_until, self.context + proposal.token_ids, limit, arrived)
+        return await asyncio.to_thread(self._draft_until, self.context + proposal.token_ids, limit, arrived, spare)
 
-    def _draft_until(self, base: list[int], limit: int, arrived: threading.Event) -> Proposal:
-        ahead = Proposal([])
+    def _draft_until(self, base: list[int], limit: int, arrived: threading.Event,
+                     ahead: Proposal | None = None) -> Proposal:
+        """Draft past `base` + `ahead` (tokens already drafted there) until `arrived` is set or `limit` tokens
+        are ahead; the drafting time and tokens count this round's new tokens only."""
+        ahead, new = ahead if ahead is not None else Proposal([]), 0
         t0 = time.perf_counter()
         while not arrived.is_set() and len(ahead.token_ids) < limit:
             step = self.drafter.propose(base + ahead.token_ids, 1)
             if not step.token_ids:
                 break
             ahead = _join(ahead, step)
+            new += len(step.token_ids)
             if step.token_ids[-1] in self.stop_ids:
                 break
         self.drafting[0] += time.perf_counter() - t0
-        self.drafting[1] += len(ahead.token_ids)
+        self.drafting[1] += new
         return ahead
 
 

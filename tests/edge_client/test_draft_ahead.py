@@ -198,11 +198,7 @@ def test_greedy_hits_continue_and_misses_are_dropped():
         return drafter, result
 
     drafter, result = asyncio.run(main())
-    want, last = [], PROMPT[-1]
-    for _ in range(30):
-        last = int(np.argmax(P_GREEDY[last]))
-        want.append(last)
-    assert result.token_ids == want
+    assert result.token_ids == greedy_chain(P_GREEDY, 30)
     assert 0 < result.ahead_rounds < result.rounds - 1  # hits and misses both happened
     context = PROMPT + result.token_ids
     assert drafter._evaluated == context[:len(drafter._evaluated)]  # nothing drafted ahead stayed in its cache
@@ -218,6 +214,15 @@ def test_seeded_runs_repeat_exactly_however_much_was_drafted_ahead():
         counts[name] = sum(d.proposed for d in drafters)
     assert texts["plain"] == texts["ahead-short"] == texts["ahead-long"]
     assert counts["ahead-long"] > counts["plain"]  # drafting ahead drew tokens that were never sent
+
+
+def greedy_chain(table, n):
+    """The target's greedy text after PROMPT: n tokens, each its table row's argmax after the one before."""
+    out, last = [], PROMPT[-1]
+    for _ in range(n):
+        last = int(np.argmax(table[last]))
+        out.append(last)
+    return out
 
 
 def cycle(*succ):
@@ -241,11 +246,7 @@ def test_tokens_drafted_ahead_are_not_evaluated_again_when_they_go_out(target, k
 
     drafter, result = asyncio.run(main())
     assert result.ahead_rounds > 2
-    want, last = [], PROMPT[-1]
-    for _ in range(40):
-        last = int(np.argmax(target[last]))
-        want.append(last)
-    assert result.token_ids == want
+    assert result.token_ids == greedy_chain(target, 40)
     positions = [pos for pos, _ in drafter.fed]
     if hits_only:
         assert result.accepted_tokens == result.draft_tokens
@@ -307,10 +308,59 @@ def test_the_first_draft_is_made_while_the_session_opens():
 
     drafter, result = asyncio.run(main())
     assert proposed.is_set() and waited[0] < 1.0
-    want, last = [], PROMPT[-1]
-    for _ in range(20):
-        last = int(np.argmax(table[last]))
-        want.append(last)
-    assert result.token_ids == want
+    assert result.token_ids == greedy_chain(table, 20)
     assert result.accepted_tokens == result.draft_tokens  # the early draft went out as drafted, nothing lost
     assert drafter.proposed == result.draft_tokens
+
+
+
+def held_at_two():
+    """The adaptive controller held at K = 2 under a bound of 8 (the real one, its choice fixed)."""
+    from edge_client.adaptive import AdaptiveDraftLength
+
+    class Held(AdaptiveDraftLength):
+        def choose(self):
+            return 2
+
+    return Held(k_max=8, k_initial=2, ahead=True)
+
+
+def test_a_carry_longer_than_the_next_draft_is_not_drafted_again():
+    """With the adaptive K under its bound, a device drafts ahead up to the bound while its draft is verified, and the
+    next draft takes only K of those tokens. The rest continue that draft exactly: drafting ahead during its
+    verification starts from them. Thrown away and drafted again (as before), every position past K was drafted
+    two or three times: real drafting time on the device. An always-right drafter must draft each position once."""
+    table = cycle(1, 2, 3, 1)
+
+    async def main():
+        drafter = TableDrafter(table)
+        result = await generate(FakeClient(0, 0.004, max_tokens=40, target=table), drafter, TOKENIZER, PROMPT,
+                                max_tokens=40, draft_tokens=2, adaptive=True, max_draft_tokens=8, controller=held_at_two())
+        return drafter, result
+
+    drafter, result = asyncio.run(main())
+    assert result.token_ids == greedy_chain(table, 40)
+    assert result.accepted_tokens == result.draft_tokens
+    assert result.rounds >= 10 and result.ahead_rounds == result.rounds - 1  # drafts of 2 from longer carries
+    positions = [pos for pos, _ in drafter.fed]
+    assert len(positions) == len(set(positions)) and drafter.proposed <= 40
+
+
+def test_a_carried_spare_keeps_seeded_text_and_each_tokens_q():
+    """Sampling, the same: the tokens kept past a draft go out later with the q they were drawn from at the context
+    they are verified in, and a seeded text is the one a device that never drafts ahead writes."""
+    async def main(ahead):
+        MISSENT.clear()
+        texts = []
+        for i in range(40):
+            r = await generate(FakeClient(500 + i, 0.004, max_tokens=24), TableDrafter(), TOKENIZER, PROMPT,
+                               max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=i), draft_tokens=2,
+                               adaptive=True, max_draft_tokens=8, controller=held_at_two(), draft_ahead=ahead)
+            texts.append((r.token_ids, r.ahead_tokens))
+        return texts, list(MISSENT)
+
+    ahead, missent = asyncio.run(main(True))
+    assert not missent, missent[:3]
+    waiting, _ = asyncio.run(main(False))
+    assert [t for t, _ in ahead] == [t for t, _ in waiting]
+    assert sum(n for _, n in ahead) > 100  # drafts went out from carries
