@@ -100,8 +100,9 @@ class Engine:
     def kernels(self) -> dict:
         """The runner's kernels (ModelRunner.kernels), as of the warm-up's calibration; kept once the runner is let
         go at stop."""
-        if self.runner is not None:
-            self._kernels = self.runner.kernels()
+        runner = self.runner  # stop() lets go of it from another thread
+        if runner is not None:
+            self._kernels = runner.kernels()
         return self._kernels
 
     # ---- lifecycle ----
