@@ -74,6 +74,11 @@ def main() -> int:
         print("  (here the drafter and the server share this machine's cores, so drafting slows verification "
               "down;\n   real devices draft on their own hardware: scripts/bench_system.py measures that, "
               "docs/benchmarks.md)")
+        print(f"\n[demo] the server's view: sled-edge info --server 127.0.0.1:{port}", flush=True)
+        done = subprocess.run([BIN / "sled-edge", "info", "--server", f"127.0.0.1:{port}"])
+        if done.returncode != 0:
+            print(f"[demo] sled-edge info failed with exit code {done.returncode}", file=sys.stderr)
+            return 1
         return 0
     finally:
         server.terminate()
