@@ -132,6 +132,13 @@ def _add_info(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the answer as JSON (protobuf field names)")
 
 
+def describe_kernels(info) -> str:
+    """How a verify server runs its target, from its Info: device, dtype, kernels, and the fused CPU step's range."""
+    fused = (f"the fused CPU step for steps of up to {info.fused_max_tokens} tokens" if info.fused_max_tokens
+             else "no fused CPU step")
+    return f"{info.device} {info.dtype}, {info.attention} attention, {info.linear} linear; {fused}"
+
+
 def describe_info(info) -> str:
     """A verify server's Info, for people."""
     st = info.stats
@@ -141,9 +148,7 @@ def describe_info(info) -> str:
              f"limits: context {info.context_limit} tokens, drafts of up to {info.max_draft_tokens} tokens, "
              f"{info.max_sessions} sessions ({st.active_sessions} open, {st.free_slots} KV slots free)"]
     if info.device:  # a server older than the kernel fields leaves them empty
-        fused = (f"the fused CPU step for steps of up to {info.fused_max_tokens} tokens" if info.fused_max_tokens
-                 else "no fused CPU step")
-        lines.append(f"kernels: {info.device} {info.dtype}, {info.attention} attention, {info.linear} linear; {fused}")
+        lines.append(f"kernels: {describe_kernels(info)}")
     line = f"since start: {st.sessions_opened} sessions, {st.steps} steps, {st.verifications} verifications"
     if st.steps:
         line += (f"; per step {st.step_seconds_total / st.steps * 1000:.1f} ms "

@@ -160,9 +160,6 @@ class _Generation:
         self.adaptive = adaptive if draft_tokens > 0 else None
         self.draft_ahead = draft_ahead and draft_tokens > 0
         self.carry: Proposal | None = None  # drafted ahead, continuing the committed context
-        # The carry's tokens past this round's draft (a carry longer than its K): they continue the draft, so the
-        # drafting ahead during its verification starts from them instead of drafting them again.
-        self.spare: Proposal | None = None
         self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
         self.verdict_at = 0.0  # when this round's verdict came
 
@@ -285,11 +282,11 @@ class _Generation:
             k = self.round_k()
             t_round = time.perf_counter()
             self.drafting = [0.0, 0]
-            proposal = await self.draft(k)
+            proposal, spare = await self.draft(k)
             t_sent = time.perf_counter()
             verify = asyncio.ensure_future(self._verify(r.rounds, proposal))
             try:
-                ahead = await self.draft_while(verify, proposal)
+                ahead = await self.draft_while(verify, proposal, spare)
             except BaseException:
                 verify.cancel()
                 raise
@@ -299,7 +296,7 @@ class _Generation:
                 if isinstance(err, asyncio.TimeoutError):
                     err = VerifyError("DEADLINE_EXCEEDED", f"no verdict within {self.policy.round_timeout_s:g}s")
                 self.session.cancel()
-                self.session, self.carry, self.spare = None, None, None
+                self.session, self.carry = None, None
                 self.outage(err)
                 self.next_attempt = time.monotonic()  # first try again at once: the server may be back already
                 continue
@@ -366,15 +363,17 @@ class _Generation:
         self.verdict_at = time.perf_counter()
         return verdict
 
-    async def draft(self, k: int) -> Proposal:
+    async def draft(self, k: int) -> tuple[Proposal, Proposal]:
         """This round's k tokens: those drafted ahead during the last round first, the rest drafted now; fewer where
-        the adaptive controller's stop rule ends the draft at a token the drafter is too unsure of."""
-        carry, self.carry, self.spare = self.carry, None, None
+        the adaptive controller's stop rule ends the draft at a token the drafter is too unsure of. With them, the
+        spare: the tokens drafted ahead past them (a carry longer than this draft), which continue it, so the
+        drafting ahead during its verification starts from them instead of drafting them again."""
+        carry, self.carry = self.carry, None
         if not k:
-            return Proposal([])
+            return Proposal([]), Proposal([])
         stop = self._stop_rule()
         if carry is None or not carry.token_ids:
-            return await self._propose(self.context, k, stop)
+            return await self._propose(self.context, k, stop), Proposal([])
         proposal = _cut(carry, 0, k)
         if stop is not None and proposal.confidence is not None:
             for i, sure in enumerate(proposal.confidence):
@@ -384,20 +383,18 @@ class _Generation:
                     break
         self.result.ahead_rounds += 1
         self.result.ahead_tokens += len(proposal.token_ids)
-        if len(carry.token_ids) > len(proposal.token_ids):
-            self.spare = _cut(carry, len(proposal.token_ids))
+        spare = _cut(carry, len(proposal.token_ids))
         if (len(proposal.token_ids) < k and proposal.token_ids[-1] not in self.stop_ids
                 and (stop is None or stop.more())):
             rest = await self._propose(self.context + proposal.token_ids, k - len(proposal.token_ids), stop)
             proposal = _join(proposal, rest)
-        return proposal
+        return proposal, spare
 
-    async def draft_while(self, verify: asyncio.Future, proposal: Proposal) -> Proposal:
+    async def draft_while(self, verify: asyncio.Future, proposal: Proposal, spare: Proposal) -> Proposal:
         """Draft on past `proposal`, one token at a time, until its verdict is in or the next round is covered.
-        It starts from the spare (what the last round drafted ahead past this draft), which continues it exactly.
+        It starts from `spare` (what the last round drafted ahead past this draft), which continues it exactly.
         The loop runs in one worker thread, not one hop per token: on a small device (and in the benchmark, which
         runs every device in one process) the hops would cost CPU that drafting and serving need."""
-        spare, self.spare = self.spare or Proposal([]), None
         # Tokens left once this draft and its verdict's token are in: the next draft's, and its bonus guess first.
         room = self.max_tokens - len(self.result.token_ids) - len(proposal.token_ids) - 1
         limit = min((self.adaptive.k_max if self.adaptive is not None else self.k) + 1, room)
@@ -411,11 +408,10 @@ class _Generation:
         verify.add_done_callback(lambda _: arrived.set())
         return await asyncio.to_thread(self._draft_until, self.context + proposal.token_ids, limit, arrived, spare)
 
-    def _draft_until(self, base: list[int], limit: int, arrived: threading.Event,
-                     ahead: Proposal | None = None) -> Proposal:
+    def _draft_until(self, base: list[int], limit: int, arrived: threading.Event, ahead: Proposal) -> Proposal:
         """Draft past `base` + `ahead` (tokens already drafted there) until `arrived` is set or `limit` tokens
         are ahead; the drafting time and tokens count this round's new tokens only."""
-        ahead, new = ahead if ahead is not None else Proposal([]), 0
+        new = 0
         t0 = time.perf_counter()
         while not arrived.is_set() and len(ahead.token_ids) < limit:
             step = self.drafter.propose(base + ahead.token_ids, 1)

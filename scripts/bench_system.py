@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edge_client.adaptive import AdaptiveDraftLength  # noqa: E402
+from edge_client.cli import describe_kernels  # noqa: E402
 from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
@@ -261,10 +262,9 @@ async def server_info(address: str):
 
 
 def kernel_line(info) -> str:
-    """The server's kernels as its Info gives them, for the benchmark section."""
-    fused = (f"the fused CPU step for steps of up to {info.fused_max_tokens} tokens (unless set, timed against PyTorch "
-             "at start-up), PyTorch above" if info.fused_max_tokens else "no fused CPU step")
-    return f"- server kernels: {info.device} {info.dtype}, {info.attention} attention, {info.linear} linear; {fused}\n"
+    """The server's kernels as its Info gives them (as `sled-edge info` prints them), for the benchmark section."""
+    above = " (unless set, timed against PyTorch at start-up), PyTorch above" if info.fused_max_tokens else ""
+    return f"- server kernels: {describe_kernels(info)}{above}\n"
 
 
 async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens, k, warmup_s, seconds,
