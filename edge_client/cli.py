@@ -10,6 +10,11 @@ import sys
 from .drafters import REGISTRY
 
 
+def _add_server(p) -> None:
+    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="verify server address (default 127.0.0.1:50051)")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -18,8 +23,7 @@ def _add_generate(sub) -> None:
                     "and print statistics to stderr.",
     )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
-    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
-                   help="verify server address (default 127.0.0.1:50051)")
+    _add_server(p)
     p.add_argument("--drafter", choices=sorted(REGISTRY), default="llama-cpp",
                    help="llama-cpp: a small GGUF via llama.cpp; onnx: an exported model via ONNX Runtime; "
                         "cacheback: LRU n-gram caches; ngram: prompt lookup; none: the server decodes every token "
@@ -125,8 +129,7 @@ def _add_info(sub) -> None:
         description="Print the server's target, vocabulary, limits, kernels and counters (steps, acceptance, step "
                     "and queue time), or with --json the whole answer. Exit 1 when the server does not answer.",
     )
-    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
-                   help="verify server address (default 127.0.0.1:50051)")
+    _add_server(p)
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="how long to wait for the server's answer (default 5)")
     p.add_argument("--json", action="store_true", help="print the answer as JSON (protobuf field names)")
@@ -167,16 +170,6 @@ def describe_info(info) -> str:
     return "\n".join(lines)
 
 
-async def _info(args):
-    from .transport import VerifierClient
-
-    client = VerifierClient(args.server)
-    try:
-        return await client.info(timeout=args.timeout)
-    finally:
-        await client.close()
-
-
 def _plain(msg) -> dict:
     """A message as a dict of its fields, every field present, counters as numbers (protobuf's own JSON mapping
     writes 64-bit integers as strings)."""
@@ -193,13 +186,13 @@ def _plain(msg) -> dict:
 
 
 def _run_info(args) -> int:
-    from .transport import VerifyError
+    from .transport import VerifyError, fetch_info
 
     if not args.timeout > 0:
         print("sled-edge info: --timeout must be > 0", file=sys.stderr)
         return 2
     try:
-        info = asyncio.run(_info(args))
+        info = asyncio.run(fetch_info(args.server, args.timeout))
     except VerifyError as err:
         if err.code == "DEADLINE_EXCEEDED":  # nothing listens there, or nothing reaches it
             print(f"sled-edge info: no answer from {args.server} within {args.timeout:g}s ({err})", file=sys.stderr)

@@ -60,6 +60,15 @@ class VerifierClient:
         await self.channel.close()
 
 
+async def fetch_info(address: str, timeout: float = 10.0) -> pb.ServerInfo:
+    """One server's Info over a channel of its own (`sled-edge info`, the benchmarks)."""
+    client = VerifierClient(address)
+    try:
+        return await client.info(timeout=timeout)
+    finally:
+        await client.close()
+
+
 class RemoteSession:
     def __init__(self, call):
         self.call = call

@@ -60,7 +60,7 @@ from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
-from edge_client.transport import VerifierClient  # noqa: E402
+from edge_client.transport import VerifierClient, fetch_info  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
 from scripts.benchutil import (ServerProcess, cpu_counters, device_tokenizer, gpu_name, machine, publish,  # noqa: E402
                                stolen_share)
@@ -250,15 +250,6 @@ class Window:
 # The window waits for every device's first commit, but not past this: a device the server starves is then
 # counted as it is (it shows as a low per-device rate).
 MAX_OPEN_WAIT_S = 120.0
-
-
-async def server_info(address: str):
-    """The server's Info (its target, kernels and counters)."""
-    client = VerifierClient(address)
-    try:
-        return await client.info()
-    finally:
-        await client.close()
 
 
 def kernel_line(info) -> str:
@@ -729,7 +720,7 @@ def main() -> int:
 
         # The server's kernels, with its start-up choice of kernel for large steps (its warm-up times them), which
         # moves SLED's figures at many devices: a run where it came out low is visible as such.
-        kernels = asyncio.run(server_info(address))
+        kernels = asyncio.run(fetch_info(address))
     finally:
         server.stop()
 

@@ -313,7 +313,6 @@ def test_the_first_draft_is_made_while_the_session_opens():
     assert drafter.proposed == result.draft_tokens
 
 
-
 def held_at_two():
     """The adaptive controller held at K = 2 under a bound of 8 (the real one, its choice fixed)."""
     from edge_client.adaptive import AdaptiveDraftLength
