@@ -176,13 +176,15 @@ def _plain(msg) -> dict:
     out = {}
     for field in msg.DESCRIPTOR.fields:
         value = getattr(msg, field.name)
-        if field.message_type is not None:
-            out[field.name] = _plain(value)
-        elif hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
-            out[field.name] = list(value)
-        else:
-            out[field.name] = value
+        convert = _plain if field.message_type is not None else (lambda v: v)
+        out[field.name] = [convert(v) for v in value] if _repeated(field) else convert(value)
     return out
+
+
+def _repeated(field) -> bool:
+    """Whether a field is repeated: `is_repeated` where protobuf has it (6.31 on, which drops `label`), else `label`."""
+    flag = getattr(field, "is_repeated", None)
+    return flag if flag is not None else field.label == field.LABEL_REPEATED
 
 
 def _run_info(args) -> int:
