@@ -88,7 +88,25 @@ def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.sled_forward.restype = ctypes.c_int
     lib.sled_panel_width.argtypes = []
     lib.sled_panel_width.restype = i64
+    lib.sled_row_argmax.argtypes = [p, i64, i64, p, ctypes.c_int]
+    lib.sled_row_argmax.restype = None
     return lib
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """Per row of a [rows, n] float32 CPU tensor, the index of its largest value (the first of equal ones, as
+    torch.argmax), or -1 where the row holds a NaN or an infinity; in one C pass (sled_row_argmax). None where
+    that cannot run here (another device or dtype, or no C library): the caller takes PyTorch's way."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    try:
+        lib = load_library()
+    except CpuStepUnavailable:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.sled_row_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def pack_panels(w: torch.Tensor, width: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from kernels.attention import Segment
+from kernels.cpu_step import row_argmax
 from kernels.rejection_sampler import NonFiniteLogitsError, SamplingBatch, rejection_sample
 
 from .config import ServerConfig
@@ -420,7 +421,8 @@ class Engine:
             default=self._default_gen,
         )
         flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
-        return rejection_sample(logits, flat, torch.tensor(cu), q_ids, q_probs, sampling)
+        return rejection_sample(logits, flat, torch.tensor(cu), q_ids, q_probs, sampling,
+                                row_argmax=row_argmax if self.runner.fused is not None else None)
 
     def _commit(self, work: VerifyWork, draft: list[int], n_accepted: int, next_token: int) -> Verdict:
         s = work.session

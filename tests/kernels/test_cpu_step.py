@@ -262,3 +262,27 @@ def test_vector_exp_is_within_a_few_ulp():
     low = torch.tensor([-1e4, -100.0, float("-inf")])  # clamped: as small as e^-87, never NaN
     lib.sled_exp(low.data_ptr(), 3)
     assert torch.all(low >= 0) and torch.all(low < 2e-38)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_row_argmax_matches_torch_and_flags_every_non_finite_row(layout, monkeypatch):
+    from kernels import cpu_step
+
+    monkeypatch.setattr(cpu_step, "load_library", lambda: load_library(LAYOUTS[layout]))
+    torch.manual_seed(1)
+    for rows, n in ((1, 1), (3, 7), (5, 16), (9, 49_152 + 5), (40, 2_000)):  # tails; the last two are threaded
+        x = torch.randn(rows, n)
+        x[0, -1] = 50.0  # the largest in the tail
+        if n > 1:
+            x[-1, :] = -3.0  # all equal: the first wins
+            x[rows // 2, n // 2] = x[rows // 2, n - 1] = 60.0  # a tie across the vector part and the tail
+        assert torch.equal(cpu_step.row_argmax(x), x.argmax(dim=-1)), (rows, n)
+    x = torch.randn(6, 100)
+    x[1, 99], x[2, 0], x[3, 50], x[4, 98] = float("nan"), float("inf"), float("-inf"), float("nan")
+    x[4, 3] = 1e30  # larger than the rest, still finite: the NaN flags the row
+    got = cpu_step.row_argmax(x)
+    assert got[[1, 2, 3, 4]].tolist() == [-1, -1, -1, -1]
+    assert torch.equal(got[[0, 5]], x[[0, 5]].argmax(dim=-1))
+    assert cpu_step.row_argmax(x.double()) is None and cpu_step.row_argmax(x[0]) is None  # PyTorch's way then
+    y = torch.randn(100, 6).t()  # not contiguous: copied first
+    assert torch.equal(cpu_step.row_argmax(y), y.argmax(dim=-1))

@@ -4,9 +4,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from kernels.cpu_step import row_argmax
 from kernels.rejection_sampler import NonFiniteLogitsError, SamplingBatch, rejection_sample, target_probs
 
 V = 8
+
+
+@pytest.fixture(params=["torch", "c"])
+def way(request):
+    """Each row's argmax and finiteness through PyTorch, or through the fused CPU step's one C pass."""
+    return None if request.param == "torch" else row_argmax
 
 
 def greedy_logits(argmaxes: list[int]) -> torch.Tensor:  # [len, V]
@@ -31,57 +38,60 @@ def one_hot_q(drafts: list[int]):
     return ids, torch.ones(len(drafts), 1)
 
 
-def run_greedy(requests: list[tuple[list[int], list[int]]]):
+def run_greedy(requests: list[tuple[list[int], list[int]]], way=None):
     """requests: (draft tokens, target argmax for each of the k+1 rows)."""
     drafts = [t for d, _ in requests for t in d]
     logits = torch.cat([greedy_logits(a) for _, a in requests])
     cu = torch.tensor([0] + [len(d) for d, _ in requests]).cumsum(0)
     q_ids, q_probs = one_hot_q(drafts)
     out = rejection_sample(logits, torch.tensor(drafts, dtype=torch.long), cu, q_ids, q_probs,
-                           batch([0.0] * len(requests)))
+                           batch([0.0] * len(requests)), row_argmax=way)
     return out.num_accepted.tolist(), out.next_token.tolist()
 
 
 # ---- greedy, as token lists ----
 
-def test_greedy_full_accept_emits_bonus():
-    assert run_greedy([([3, 1, 4], [3, 1, 4, 7])]) == ([3], [7])
+def test_greedy_full_accept_emits_bonus(way):
+    assert run_greedy([([3, 1, 4], [3, 1, 4, 7])], way) == ([3], [7])
 
 
-def test_greedy_first_mismatch_emits_target_argmax():
-    assert run_greedy([([3, 1, 4], [3, 2, 4, 7])]) == ([1], [2])
+def test_greedy_first_mismatch_emits_target_argmax(way):
+    assert run_greedy([([3, 1, 4], [3, 2, 4, 7])], way) == ([1], [2])
 
 
-def test_greedy_mismatch_at_first_token():
-    assert run_greedy([([5, 1], [6, 1, 1])]) == ([0], [6])
+def test_greedy_mismatch_at_first_token(way):
+    assert run_greedy([([5, 1], [6, 1, 1])], way) == ([0], [6])
 
 
-def test_greedy_empty_draft_is_plain_decoding():
-    assert run_greedy([([], [4])]) == ([0], [4])
+def test_greedy_empty_draft_is_plain_decoding(way):
+    assert run_greedy([([], [4])], way) == ([0], [4])
 
 
-def test_greedy_ragged_batch_keeps_requests_apart():
-    got = run_greedy([([3, 1, 4], [3, 1, 5, 0]), ([], [2]), ([6, 6], [6, 6, 1]), ([7], [0, 3])])
+def test_greedy_ragged_batch_keeps_requests_apart(way):
+    got = run_greedy([([3, 1, 4], [3, 1, 5, 0]), ([], [2]), ([6, 6], [6, 6, 1]), ([7], [0, 3])], way)
     assert got == ([2, 0, 2, 0], [5, 2, 1, 0])
 
 
 # ---- the traps ----
 
-def test_nan_or_inf_logits_raise_naming_the_request():
+def test_nan_or_inf_logits_raise_naming_the_request(way):
     logits = torch.cat([greedy_logits([1, 2]), greedy_logits([3])])
     logits[2, 0] = float("nan")
     with pytest.raises(NonFiniteLogitsError) as err:
-        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]), batch([0.0, 0.0]))
+        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]),
+                         batch([0.0, 0.0]), row_argmax=way)
     assert err.value.request_indices == [1]
     logits[2, 0] = 0.0
     logits[0, 3] = float("inf")
     with pytest.raises(NonFiniteLogitsError) as err:
-        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]), batch([1.0, 1.0]))
+        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]),
+                         batch([1.0, 1.0]), row_argmax=way)
     assert err.value.request_indices == [0]
     logits[0, 3] = 0.0
     logits[2, V - 1] = float("-inf")  # the last column, where a reduction's tail is handled apart
     with pytest.raises(NonFiniteLogitsError) as err:
-        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]), batch([0.0, 0.0]))
+        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]),
+                         batch([0.0, 0.0]), row_argmax=way)
     assert err.value.request_indices == [1]
 
 
