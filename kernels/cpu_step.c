@@ -20,8 +20,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(__AVX__)
+#include <immintrin.h> /* __m256 / __m512 and their max instructions (vmax) */
 #endif
 
 /* Vector width and the register blocking of the matrix products, per instruction set. Every weight matrix is
