@@ -51,10 +51,12 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-@functools.cache  # one build and one load per process (per set of defines)
-def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+@functools.cache  # one build and one load per process (per set of defines and flags)
+def load_library(defines: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Build kernels/cpu_step.c for this CPU if no cached build matches, then load it. `defines` ("NAME=VALUE"),
-    for tests and sweeps: a vector width or register blocking other than this CPU's default (SLED_VBYTES, NV, MR)."""
+    for tests and sweeps: a vector width or register blocking other than this CPU's default (SLED_VBYTES, NV, MR);
+    `flags`, compiler flags after the usual ones (a test builds for AVX2 alone on an AVX-512 host with
+    -mno-avx512f)."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise CpuStepUnavailable(f"no C compiler ({compiler!r} not found)")
@@ -62,7 +64,7 @@ def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise CpuStepUnavailable(f"C compiler {compiler!r} does not run: {err}") from err
-    flags = FLAGS + [f"-D{d}" for d in defines]
+    flags = FLAGS + [f"-D{d}" for d in defines] + list(flags)
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(flags), platform.machine(),
                                     _cpu_id()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_step-{key}.so"

@@ -3,6 +3,7 @@ models whose shapes reach every branch: head sizes with and without a specialize
 the matrix products, biases (Qwen2), grouped heads, ragged batches over several slots, and a poisoned cache."""
 
 import ctypes
+import platform
 
 import pytest
 import torch
@@ -82,6 +83,14 @@ LAYOUTS = {
     "avx512-16x2x6": ("SLED_VBYTES=64", "NV=2", "MR=6"),
     "odd-8x3x7": ("SLED_VBYTES=32", "NV=3", "MR=7"),  # 24-wide panels, 7-row blocks
 }
+# The 8-float layouts are built without AVX-512 on x86, so an AVX-512 host builds what an AVX2-only CPU builds
+# (an intrinsic whose header was included for AVX-512 alone once broke the build on AVX2 CPUs only).
+AVX2_ONLY = ("-mno-avx512f",) if platform.machine() in ("x86_64", "AMD64") else ()
+
+
+def layout_library(layout: str):
+    defines = LAYOUTS[layout]
+    return load_library(defines, AVX2_ONLY if "SLED_VBYTES=32" in defines else ())
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -89,8 +98,7 @@ LAYOUTS = {
 def test_fused_step_matches_reference_over_ragged_batches(shape, layout, monkeypatch):
     import kernels.cpu_step as cpu_step
 
-    defines = LAYOUTS[layout]
-    monkeypatch.setattr(cpu_step, "load_library", lambda: load_library(defines))
+    monkeypatch.setattr(cpu_step, "load_library", lambda: layout_library(layout))
     kind, *dims = SHAPES[shape]
     model = _model(kind, *dims)
     fused, reference = _runners(model)
@@ -268,7 +276,7 @@ def test_vector_exp_is_within_a_few_ulp():
 def test_row_argmax_matches_torch_and_flags_every_non_finite_row(layout, monkeypatch):
     from kernels import cpu_step
 
-    monkeypatch.setattr(cpu_step, "load_library", lambda: load_library(LAYOUTS[layout]))
+    monkeypatch.setattr(cpu_step, "load_library", lambda: layout_library(layout))
     torch.manual_seed(1)
     for rows, n in ((1, 1), (3, 7), (5, 16), (9, 49_152 + 5), (40, 2_000)):  # tails; the last two are threaded
         x = torch.randn(rows, n)
