@@ -53,6 +53,9 @@
 #ifndef MR
 #define MR 6
 #endif
+#ifndef SLED_PREFETCH_SPREAD
+#define SLED_PREFETCH_SPREAD 1 /* see gemv; 0 prefetches the next panel in the first block only */
+#endif
 #if MR < 1 || MR > 8 || NV < 1
 #error "MR (batch rows per block) must be 1 to 8 and NV positive"
 #endif
@@ -232,15 +235,16 @@ struct sled_model {
 };
 
 /* c = x[0:mb, :] times one panel: c[m][v] holds outputs v VL .. v VL + VL - 1 of the panel for batch row m.
- * pf: a panel to prefetch alongside, line by line (gemv passes the next panel, or this one for none). */
+ * Each step over k also prefetches the byte pf + k * pfstep: gemv passes its share of the next panel (or this
+ * panel, already in cache, for none). */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int mb, const float *p,
-                                                         int64_t K, vf c[MR][NV], const float *pf) {
+                                                         int64_t K, vf c[MR][NV], const char *pf, int64_t pfstep) {
     vf acc[MR][NV];  /* local, so they live in registers; c is written once at the end */
     for (int m = 0; m < MR; ++m)
         for (int v = 0; v < NV; ++v) acc[m][v] = (vf){0};
     for (int64_t k = 0; k < K; ++k) {
         vf w[NV];
-        __builtin_prefetch(pf + k * NR, 0, 1);
+        __builtin_prefetch(pf + k * pfstep, 0, 1);
         for (int v = 0; v < NV; ++v) w[v] = vload(p + k * NR + v * VL);
         for (int m = 0; m < MR; ++m) {
             if (m >= mb) break;
@@ -260,8 +264,8 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
  * AVX2 EPYC): 0.70x the time at 18 rows and 0.66x at 36. */
 #define SLED_BLOCK(R)                                                                                           \
     static __attribute__((noinline)) void block_##R(const float *x, int64_t ldx, const float *p, int64_t K,    \
-                                                    vf c[MR][NV], const float *pf) {                          \
-        block(x, ldx, R, p, K, c, pf);                                                                        \
+                                                    vf c[MR][NV], const char *pf, int64_t pfstep) {            \
+        block(x, ldx, R, p, K, c, pf, pfstep);                                                                \
     }
 SLED_BLOCK(1)
 #if MR >= 2
@@ -288,10 +292,17 @@ SLED_BLOCK(8)
 
 /* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k] for w packed in panels (p), the panels
  * split across threads; each thread runs its panel over every block of MR batch rows while the panel is in cache.
- * From 3 rows, the first block also prefetches the thread's next panel, so that panel streams in while this one
- * is computed instead of after it. Measured over a whole step of SmolLM2-135M's shapes (standalone, 2 threads,
- * AVX2 EPYC, medians of 5 interleaved runs of 15): 0.83-0.94x the time at 3 to 12 rows, 1.02-1.08x at 1 and 2
- * (where one block streams each panel, and the second stream only competes with it), about 1.0x from 18. */
+ * From 3 rows, the thread's next panel is prefetched while this one is computed, so that it streams in meanwhile
+ * instead of after it (first measured: 0.83-0.94x the time at 3 to 12 rows, 1.02-1.08x at 1 and 2, where one block
+ * streams each panel and the second stream only competes with it). Each of the panel's blocks prefetches its
+ * share of the next panel, evenly over its steps: when the first block prefetched it all, it asked for a line
+ * every step of 6 rows (about 26 GB/s a core at 2.45 GHz against about 10 that a core gets here), the misses
+ * queued behind one another and stalled its loads, and the later blocks ran with memory idle. Spread, the same
+ * lines go out at the rate they arrive. Measured on an AVX2-only EPYC (copy bandwidth about 21 GB/s), 2 threads:
+ * the projections of 30 layers of SmolLM2-135M's shapes (a C probe, 15 rounds interleaved) 0.78-0.86x the time at
+ * 8 to 32 rows, 1.00x at 4; the whole step of the real model (both builds in one process, interleaved, medians
+ * of 9 rounds) 0.72-0.85x at 8 to 32 tokens, 0.89x at 48, 1.01-1.04x at 1 to 4 (the same code there).
+ * SLED_PREFETCH_SPREAD=0 builds the first-block form, for such a comparison. */
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
@@ -303,29 +314,41 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
             int mb = (int)(M - m0 < MR ? M - m0 : MR);
             vf c[MR][NV];
             const float *xm = x + m0 * ldx;
-            const float *pf = m0 == 0 && M >= 3 && q + 1 < npanels ? pq + K * NR : pq;
+            const char *pf = (const char *)pq;
+            int64_t pfstep = NR * (int64_t)sizeof(float);
+            if (M >= 3 && q + 1 < npanels) {
+                const char *next = (const char *)(pq + K * NR);
+#if SLED_PREFETCH_SPREAD
+                /* block m0 / MR of nb: its share of the next panel's K rows, a share of a row a step */
+                int64_t nb = (M + MR - 1) / MR;
+                pf = next + (m0 / MR) * K / nb * NR * (int64_t)sizeof(float);
+                pfstep /= nb;
+#else
+                if (m0 == 0) pf = next;  /* the first block prefetches it all */
+#endif
+            }
             switch (mb) {  /* each row count its own loop */
-            case 1: block_1(xm, ldx, pq, K, c, pf); break;
+            case 1: block_1(xm, ldx, pq, K, c, pf, pfstep); break;
 #if MR >= 2
-            case 2: block_2(xm, ldx, pq, K, c, pf); break;
+            case 2: block_2(xm, ldx, pq, K, c, pf, pfstep); break;
 #endif
 #if MR >= 3
-            case 3: block_3(xm, ldx, pq, K, c, pf); break;
+            case 3: block_3(xm, ldx, pq, K, c, pf, pfstep); break;
 #endif
 #if MR >= 4
-            case 4: block_4(xm, ldx, pq, K, c, pf); break;
+            case 4: block_4(xm, ldx, pq, K, c, pf, pfstep); break;
 #endif
 #if MR >= 5
-            case 5: block_5(xm, ldx, pq, K, c, pf); break;
+            case 5: block_5(xm, ldx, pq, K, c, pf, pfstep); break;
 #endif
 #if MR >= 6
-            case 6: block_6(xm, ldx, pq, K, c, pf); break;
+            case 6: block_6(xm, ldx, pq, K, c, pf, pfstep); break;
 #endif
 #if MR >= 7
-            case 7: block_7(xm, ldx, pq, K, c, pf); break;
+            case 7: block_7(xm, ldx, pq, K, c, pf, pfstep); break;
 #endif
 #if MR >= 8
-            case 8: block_8(xm, ldx, pq, K, c, pf); break;
+            case 8: block_8(xm, ldx, pq, K, c, pf, pfstep); break;
 #endif
             }
             for (int m = 0; m < mb; ++m) {

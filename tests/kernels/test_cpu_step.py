@@ -82,6 +82,8 @@ LAYOUTS = {
     "avx2-8x2x6": ("SLED_VBYTES=32", "NV=2", "MR=6"),
     "avx512-16x2x6": ("SLED_VBYTES=64", "NV=2", "MR=6"),
     "odd-8x3x7": ("SLED_VBYTES=32", "NV=3", "MR=7"),  # 24-wide panels, 7-row blocks
+    # the earlier prefetch (the first block of a panel asks for all of the next), kept buildable for comparisons
+    "avx2-8x2x6-first-block-prefetch": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_PREFETCH_SPREAD=0"),
 }
 # The 8-float layouts are built without AVX-512 on x86, so an AVX-512 host builds what an AVX2-only CPU builds
 # (an intrinsic whose header was included for AVX-512 alone once broke the build on AVX2 CPUs only).
