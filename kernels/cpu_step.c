@@ -388,18 +388,28 @@ static void rope(float *v, const float *cos, const float *sin_signed, int64_t hd
 }
 
 #if SLED_VBYTES == 32
+/* Lanes of a then b picked by index (0-7 from a, 8-15 from b): Clang's and GCC 12's __builtin_shufflevector, or
+ * GCC's older __builtin_shuffle with the indices as a vector (GCC 11, e.g. Ubuntu 22.04; SLED_GCC_SHUFFLE=1
+ * forces it, which the tests build). */
+#if !defined(SLED_GCC_SHUFFLE) && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define SLED_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#endif
+#endif
+#ifndef SLED_SHUF
+#define SLED_SHUF(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
 /* The sums of 8 vectors of 8 floats, as one vector: three rounds of pairing lanes (shuffles and adds) instead of a
  * horizontal sum each (7 dependent scalar adds and their shuffles). */
 static inline vf hsum8(const vf a[8]) {
     vf b[4], c[2];
     for (int i = 0; i < 4; ++i)
-        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+        b[i] = SLED_SHUF(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SLED_SHUF(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
     for (int i = 0; i < 2; ++i)
-        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
+        c[i] = SLED_SHUF(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SLED_SHUF(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SLED_SHUF(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) + SLED_SHUF(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 #endif
 

@@ -81,7 +81,8 @@ LAYOUTS = {
     "native": (),
     "avx2-8x2x6": ("SLED_VBYTES=32", "NV=2", "MR=6"),
     "avx512-16x2x6": ("SLED_VBYTES=64", "NV=2", "MR=6"),
-    "odd-8x3x7": ("SLED_VBYTES=32", "NV=3", "MR=7"),  # 24-wide panels, 7-row blocks
+    # 24-wide panels, 7-row blocks; the attention's lane shuffles as older GCCs (11) build them
+    "odd-8x3x7": ("SLED_VBYTES=32", "NV=3", "MR=7", "SLED_GCC_SHUFFLE=1"),
     # the earlier prefetch (the first block of a panel asks for all of the next), kept buildable for comparisons
     "avx2-8x2x6-first-block-prefetch": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_PREFETCH_SPREAD=0"),
 }
