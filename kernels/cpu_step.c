@@ -234,6 +234,16 @@ struct sled_model {
     const struct sled_layer *layers;
 };
 
+/* The value v, as the compiler must take it: in a vector register (an empty asm that may have changed it there), so
+ * that no later use folds a load from memory in its place. See SLED_BLOCK. Where the vector is not one register of
+ * the target (a layout wider than its vectors, which the tests build), nothing. */
+#if (SLED_VBYTES == 16 && defined(__SSE__)) || (SLED_VBYTES == 32 && defined(__AVX__)) ||                      \
+    (SLED_VBYTES == 64 && defined(__AVX512F__))
+#define SLED_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define SLED_IN_REGISTER(v) ((void)0)
+#endif
+
 /* c = x[0:mb, :] times one panel: c[m][v] holds outputs v VL .. v VL + VL - 1 of the panel for batch row m.
  * Each step over k also prefetches the byte pf + k * pfstep: gemv passes its share of the next panel (or this
  * panel, already in cache, for none). */
@@ -245,7 +255,10 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
     for (int64_t k = 0; k < K; ++k) {
         vf w[NV];
         __builtin_prefetch(pf + k * pfstep, 0, 1);
-        for (int v = 0; v < NV; ++v) w[v] = vload(p + k * NR + v * VL);
+        for (int v = 0; v < NV; ++v) {
+            w[v] = vload(p + k * NR + v * VL);
+            SLED_IN_REGISTER(w[v]);
+        }
         for (int m = 0; m < MR; ++m) {
             if (m >= mb) break;
             vf b = splat(x + m * ldx + k);
@@ -261,7 +274,13 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
  * outnumber what the load ports take while the FMAs wait (forcing the 2 loads into registers there spilled two
  * accumulators to the stack instead). Apart, each loop is NV loads, MR broadcasts from memory and MR x NV FMAs.
  * Measured with the broadcast fix above, over a whole step of SmolLM2-135M's shapes (standalone, 2 threads,
- * AVX2 EPYC): 0.70x the time at 18 rows and 0.66x at 36. */
+ * AVX2 EPYC): 0.70x the time at 18 rows and 0.66x at 36.
+ * Apart, GCC 11 and 12 still folded the weight loads into the FMAs of the 2- to 4-row loops (at 4 rows 12 loads a
+ * step for 8 FMAs, where 6 do), and the blocks of a batch's last rows (16 rows: 6 + 6 + 4) ran load-bound.
+ * SLED_IN_REGISTER keeps the weight vectors in registers there too (the 5- and 6-row loops compile as before).
+ * Measured on the AVX2-only EPYC (a noisy host): the whole step of the real model (both builds in one process,
+ * interleaved, two runs of 9 rounds) 0.92-0.98x the time at 12 to 40 tokens, 0.99-1.02x at 1 to 8, where the step
+ * is memory-bound; the same logits, bit for bit. */
 #define SLED_BLOCK(R)                                                                                           \
     static __attribute__((noinline)) void block_##R(const float *x, int64_t ldx, const float *p, int64_t K,    \
                                                     vf c[MR][NV], const char *pf, int64_t pfstep) {            \
