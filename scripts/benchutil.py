@@ -146,17 +146,31 @@ def copy_bandwidth(mib: int = 1024, repeats: int = 5, device: str = "cpu") -> fl
     return 2 * x.numel() * 4 / min(times)
 
 
-def replace_section(md: Path, marker: str, section: str) -> None:
-    """Rewrite the section of `md` that starts with `marker` (or append it), leaving the others as they are."""
+HAND_NOTE = "- note, added after the run"  # how a line written by hand into a script's section begins
+
+
+def replace_section(md: Path, marker: str, section: str) -> list[str]:
+    """Rewrite the section of `md` that starts with `marker` (or append it), leaving the others as they are.
+    Returns the hand notes (lines beginning with HAND_NOTE) that the old section had and the new one has not: they
+    describe the old run's figures, so they are not carried over, but each is printed, so that a rerun does not drop
+    one unseen."""
     text = md.read_text() if md.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
+    dropped: list[str] = []
     if marker in text:
         head, _, rest = text.partition(marker)
         nxt = rest.find("\n## ")
+        kept = section.splitlines()
+        dropped = [line for line in (rest[:nxt] if nxt >= 0 else rest).splitlines()
+                   if line.startswith(HAND_NOTE) and line not in kept]
+        for line in dropped:
+            print(f"[bench] {md}: the old section's hand note is not carried over (it describes the old run); "
+                  f"add it again if it still holds:\n{line}", flush=True)
         text = head + section + (rest[nxt:] if nxt >= 0 else "")
     else:
         text = text.rstrip() + "\n\n" + section
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
+    return dropped
 
 
 def publish(markdown: str | Path, marker: str, section: str, json_path: str | None, rows: list) -> None:

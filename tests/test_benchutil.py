@@ -36,3 +36,20 @@ def test_sigterm_runs_finally_blocks_with_the_handler_and_not_without(tmp_path):
     assert killed(tmp_path, install=True) == (128 + signal.SIGTERM, True)
     # Python's default: the process dies at once and the cleanup never runs (what left servers behind)
     assert killed(tmp_path, install=False) == (-signal.SIGTERM, False)
+
+
+def test_rewriting_a_section_names_the_hand_notes_it_drops(tmp_path, capsys):
+    from scripts.benchutil import replace_section
+
+    md = tmp_path / "benchmarks.md"
+    note = "- note, added after the run: the second pass ran on a slower host"
+    md.write_text("# Benchmarks\n\n## Engine speed\n\n- date: 1\n" + note + "\n\n### Step\n\n- x\n\n## Other\n\n- kept\n")
+    dropped = replace_section(md, "## Engine speed", "## Engine speed\n\n- date: 2\n")
+    assert dropped == [note]
+    assert note in capsys.readouterr().out
+    text = md.read_text()
+    assert note not in text and "- date: 2" in text and "- date: 1" not in text and "## Other\n\n- kept" in text
+    # a note the new section carries itself is not reported, nor are other sections' notes
+    md.write_text("## A\n\n" + note + "\n\n## B\n\n" + note + "\n")
+    assert replace_section(md, "## A", "## A\n\n" + note + "\n") == []
+    assert md.read_text().count(note) == 2
