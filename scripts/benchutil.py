@@ -159,13 +159,13 @@ def replace_section(md: Path, marker: str, section: str) -> list[str]:
     if marker in text:
         head, _, rest = text.partition(marker)
         nxt = rest.find("\n## ")
+        old, tail = (rest[:nxt], rest[nxt:]) if nxt >= 0 else (rest, "")
         kept = section.splitlines()
-        dropped = [line for line in (rest[:nxt] if nxt >= 0 else rest).splitlines()
-                   if line.startswith(HAND_NOTE) and line not in kept]
+        dropped = [line for line in old.splitlines() if line.startswith(HAND_NOTE) and line not in kept]
         for line in dropped:
             print(f"[bench] {md}: the old section's hand note is not carried over (it describes the old run); "
                   f"add it again if it still holds:\n{line}", flush=True)
-        text = head + section + (rest[nxt:] if nxt >= 0 else "")
+        text = head + section + tail
     else:
         text = text.rstrip() + "\n\n" + section
     md.parent.mkdir(parents=True, exist_ok=True)

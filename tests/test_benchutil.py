@@ -1,4 +1,5 @@
-"""scripts/benchutil.py: a benchmark killed with SIGTERM still runs its `finally` blocks (which stop its server)."""
+"""scripts/benchutil.py: a benchmark killed with SIGTERM still runs its `finally` blocks (which stop its server);
+rewriting a docs section names the hand notes it drops."""
 
 from __future__ import annotations
 
