@@ -390,6 +390,12 @@ def drafting_bound(device_only_tok_s: float, mean_k: float, devices: int, step_m
     return device_only_tok_s * (1 + free * ratio(1, mean_k))
 
 
+def server_rate(row: dict) -> float:
+    """Tokens a run committed per second of server step time (tok/s over the share of the window the server spent
+    in steps): what it would commit with the server never idle, at the steps it ran. nan for a server never busy."""
+    return ratio(row["system_tokens_per_s"], row["server_busy_share"])
+
+
 def drafting_line(runs: dict, spt: float) -> str:
     """The section's line on the drafting speed the replayed devices reached, over every counted run."""
     reached = [r["drafting_ms_per_token"] for cfg in runs.values() for r in cfg
@@ -446,8 +452,9 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
     server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
     `capacity` per mode (the largest count whose p95 inter-token latency is within slo_ms, else 0), `verdicts`
     (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices), `bound`
-    (drafting_bound / server-only per count, the most SLED / server-only can be from the devices' side) and `by`
-    (the rows by (mode, devices))."""
+    (drafting_bound / server-only per count, the most SLED / server-only can be from the devices' side),
+    `server_side` (each mode's server_rate per count and their ratio, the most it can be from the server's side at
+    the steps measured) and `by` (the rows by (mode, devices))."""
     sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
     by = {(r["mode"], r["devices"]): r for r in rows}
 
@@ -507,6 +514,15 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
              + ", ".join(f"{n} devices {c:.2f}x (K {by[('sled', n)]['mean_draft_tokens']:.2f}, r·s "
                          f"{drafting_per_step(by[('device-only', n)]['system_tokens_per_s'], n, by[('sled', n)]['server_step_ms']):.2f})"
                          for n, c in zip(counts, ceilings)) + "\n")
+    served = []
+    for n in counts:
+        sled, base = by[("sled", n)], by[("server-only", n)]
+        a, b = server_rate(sled), server_rate(base)
+        served.append(f"{n} devices sled {a:.1f}, server-only {b:.1f} ({ratio(a, b):.2f}x)")
+    server_side = ("- the server's side: tokens committed per second of server step time (system tok/s ÷ server "
+                   "busy), what each mode would commit with the server never idle at the steps it ran; their ratio "
+                   "is the most SLED / server-only can be without cheaper steps, however fast the devices draft: "
+                   + ", ".join(served) + "\n")
     overhead = ""
     if sixteen:
         s = sixteen[0]
@@ -514,7 +530,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
     return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
-            "overhead": overhead, "bound": bound, "stolen": stolen_line(rows + adaptive_rows + waiting_rows)}
+            "overhead": overhead, "bound": bound, "server_side": server_side,
+            "stolen": stolen_line(rows + adaptive_rows + waiting_rows)}
 
 
 def stolen_line(rows: list[dict]) -> str:
@@ -727,6 +744,7 @@ def main() -> int:
     t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
     capacity, verdicts, overhead, bound, stolen = t["capacity"], t["verdicts"], t["overhead"], t["bound"], t["stolen"]
+    server_side = t["server_side"]
     gpu = gpu_name()
     # A GPU run has its own section, so that it does not replace this machine's CPU figures.
     heading = ("## GPU system benchmark" if gpu else "## System benchmark") + (f", {args.label}" if args.label else "")
@@ -772,7 +790,7 @@ def main() -> int:
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
         "below likewise give adaptive / the best fixed K of each pass)\n"
         + stolen + "\n"
-        + "\n".join(lines) + "\n\n" + bound + "\n"
+        + "\n".join(lines) + "\n\n" + bound + server_side + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "
         "processes sharing the cores: see the engine speed section (`scripts/bench_engine.py`)\n\n"

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from scripts.bench_system import drafting_bound, pick_medians, report_tables
+from scripts.bench_system import drafting_bound, pick_medians, report_tables, server_rate
 
 
 def run(mode, n, rep, tok_s, p95=50.0, k=None, **extra):
@@ -169,3 +169,17 @@ def test_replayed_drafting_carries_each_sleeps_overrun_into_the_next(monkeypatch
         drafter.propose(full[:n], 1)
     assert asked_sleeps == [pytest.approx(0.003)]  # 20 ms late: the next three tokens' time is already spent
     assert drafter.owed == pytest.approx(0.005)
+
+
+def test_the_server_side_counts_tokens_per_second_of_server_step_time():
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    rows += [device_only(4), device_only(16)]
+    # 4 devices: SLED 150 tok/s with the server busy 75% of the window, server-only 100 tok/s busy 80%: never idle,
+    # at the same steps, they would commit 200 and 125 tok/s, so without cheaper steps SLED / server-only can reach
+    # 1.60x, however fast the devices draft (the measured 1.50x only because SLED left the server idler)
+    by = {(r["mode"], r["devices"]): r for r in rows}
+    by[("sled", 4)]["server_busy_share"], by[("server-only", 4)]["server_busy_share"] = 0.75, 0.8
+    t = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)
+    assert "4 devices sled 200.0, server-only 125.0 (1.60x), 16 devices sled 333.3, server-only 222.2 (1.50x)\n" \
+        == t["server_side"].split("draft: ")[1]
+    assert math.isnan(server_rate(device_only(4)))  # a server never busy commits nothing per second of its steps
