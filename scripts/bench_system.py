@@ -743,8 +743,8 @@ def main() -> int:
 
     t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
-    capacity, verdicts, overhead, bound, stolen = t["capacity"], t["verdicts"], t["overhead"], t["bound"], t["stolen"]
-    server_side = t["server_side"]
+    capacity, verdicts, overhead, stolen = t["capacity"], t["verdicts"], t["overhead"], t["stolen"]
+    bound, server_side = t["bound"], t["server_side"]
     gpu = gpu_name()
     # A GPU run has its own section, so that it does not replace this machine's CPU figures.
     heading = ("## GPU system benchmark" if gpu else "## System benchmark") + (f", {args.label}" if args.label else "")
