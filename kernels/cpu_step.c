@@ -56,6 +56,9 @@
 #ifndef SLED_PREFETCH_SPREAD
 #define SLED_PREFETCH_SPREAD 1 /* see gemv; 0 prefetches the next panel in the first block only */
 #endif
+#ifndef SLED_BALANCED_BLOCKS
+#define SLED_BALANCED_BLOCKS 1 /* see gemv; 0 fills MR rows a block and leaves the rest to the last */
+#endif
 #if MR < 1 || MR > 8 || NV < 1
 #error "MR (batch rows per block) must be 1 to 8 and NV positive"
 #endif
@@ -321,7 +324,14 @@ SLED_BLOCK(8)
  * the projections of 30 layers of SmolLM2-135M's shapes (a C probe, 15 rounds interleaved) 0.78-0.86x the time at
  * 8 to 32 rows, 1.00x at 4; the whole step of the real model (both builds in one process, interleaved, medians
  * of 9 rounds) 0.72-0.85x at 8 to 32 tokens, 0.89x at 48, 1.01-1.04x at 1 to 4 (the same code there).
- * SLED_PREFETCH_SPREAD=0 builds the first-block form, for such a comparison. */
+ * SLED_PREFETCH_SPREAD=0 builds the first-block form, for such a comparison.
+ * The M rows run as ceil(M / MR) blocks of nearly equal height (13 rows at MR 6: 5 + 4 + 4), not MR rows a block
+ * with the rest in the last (6 + 6 + 1): each block prefetches an equal share of the next panel, and a short last
+ * block asked for its share within a few steps, stalled on memory, and ran its one or two rows load-bound.
+ * Measured on an AVX-512 EPYC (family 25 model 17), 2 threads, the whole step of the real model (both builds in
+ * one process, interleaved, medians of 5 rounds, the same logits bit for bit): 0.73-0.85x the time at 7 to 9
+ * tokens, 0.84-0.87x at 13 and 14, 0.86-0.92x at 19 and 20; 0.96-1.02x at 10, 11, 16, 17, 24 and 32 and where
+ * both forms block alike (1 to 6 rows). SLED_BALANCED_BLOCKS=0 builds the earlier form, for such a comparison. */
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
@@ -329,8 +339,12 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
     for (int64_t q = 0; q < npanels; ++q) {
         const float *pq = p + q * K * NR;
         int64_t n0 = q * NR, nn = N - n0 < NR ? N - n0 : NR;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            int mb = (int)(M - m0 < MR ? M - m0 : MR);
+        int64_t nb = (M + MR - 1) / MR, base = nb ? M / nb : 0, extra = nb ? M % nb : 0;  /* M = 0: no logits */
+#if !SLED_BALANCED_BLOCKS
+        base = MR, extra = 0;
+#endif
+        for (int64_t i = 0, m0 = 0; i < nb; m0 += base + (i < extra), ++i) {
+            int mb = (int)(M - m0 < base + (i < extra) ? M - m0 : base + (i < extra));
             vf c[MR][NV];
             const float *xm = x + m0 * ldx;
             const char *pf = (const char *)pq;
@@ -338,9 +352,8 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
             if (M >= 3 && q + 1 < npanels) {
                 const char *next = (const char *)(pq + K * NR);
 #if SLED_PREFETCH_SPREAD
-                /* block m0 / MR of nb: its share of the next panel's K rows, a share of a row a step */
-                int64_t nb = (M + MR - 1) / MR;
-                pf = next + (m0 / MR) * K / nb * NR * (int64_t)sizeof(float);
+                /* block i of nb: its share of the next panel's K rows, a share of a row a step */
+                pf = next + i * K / nb * NR * (int64_t)sizeof(float);
                 pfstep /= nb;
 #else
                 if (m0 == 0) pf = next;  /* the first block prefetches it all */

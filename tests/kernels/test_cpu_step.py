@@ -75,8 +75,8 @@ SHAPES = {
 # The kernel's vector width and register blocking depend on the CPU it is built for (AVX-512 or not); every
 # layout is built here with -D, so each is checked on any host that can run it. Named vector floats x vectors
 # per panel x batch rows per block; every shape below has a projection whose width is not a multiple of the
-# panel (a padded last panel), and the steps have row counts that leave rows over from a block: every block
-# height from 1 to 7 rows occurs (each is its own function in the kernel).
+# panel (a padded last panel), and the steps have row counts that split into blocks of every height from 1 to
+# the layout's MR (each height is its own function in the kernel), balanced or MR rows a block first.
 LAYOUTS = {
     "native": (),
     "avx2-8x2x6": ("SLED_VBYTES=32", "NV=2", "MR=6"),
@@ -85,6 +85,8 @@ LAYOUTS = {
     "odd-8x3x7": ("SLED_VBYTES=32", "NV=3", "MR=7", "SLED_GCC_SHUFFLE=1"),
     # the earlier prefetch (the first block of a panel asks for all of the next), kept buildable for comparisons
     "avx2-8x2x6-first-block-prefetch": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_PREFETCH_SPREAD=0"),
+    # the earlier row blocks (MR rows each, the rest in the last), kept buildable for comparisons
+    "avx2-8x2x6-full-blocks-first": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_BALANCED_BLOCKS=0"),
 }
 # The 8-float layouts are built without AVX-512 on x86, so an AVX-512 host builds what an AVX2-only CPU builds
 # (an intrinsic whose header was included for AVX-512 alone once broke the build on AVX2 CPUs only).
@@ -108,10 +110,12 @@ def test_fused_step_matches_reference_over_ragged_batches(shape, layout, monkeyp
     vocab = dims[-1]
     gen = torch.Generator().manual_seed(1)
     # Prefills of two slots in one batch, then decode tokens and drafts of several slots together, out of order.
-    # Rows per step: 10, 1, 8, 9, 6, 11 and 5 (blocks of 6: 6+4, 1, 6+2, 6+3, 6, 6+5, 5; of 7: 7+3, 1, 7+1,
-    # 7+2, 6, 7+4, 5).
+    # Rows per step: 10, 1, 8, 9, 6, 11, 5, 2, 3, 7 and 13. Balanced blocks, at most 6 rows: 5+5, 1, 4+4, 5+4,
+    # 6, 6+5, 5, 2, 3, 4+3, 5+4+4; at most 7: 5+5, 1, 4+4, 5+4, 6, 6+5, 5, 2, 3, 7, 7+6; 6 rows a block first:
+    # 6+4, 1, 6+2, 6+3, 6, 6+5, 5, 2, 3, 6+1, 6+6+1.
     steps = [[(0, 0, 7), (2, 0, 3)], [(2, 3, 1)], [(0, 7, 5), (2, 4, 1), (1, 0, 2)], [(1, 2, 9)],
-             [(2, 5, 4), (0, 12, 1), (1, 11, 1)], [(0, 13, 6), (2, 9, 5)], [(1, 12, 5)]]
+             [(2, 5, 4), (0, 12, 1), (1, 11, 1)], [(0, 13, 6), (2, 9, 5)], [(1, 12, 5)], [(0, 19, 2)],
+             [(1, 17, 3)], [(2, 14, 7)], [(0, 21, 6), (1, 20, 7)]]
     for parts in steps:
         inp = _batch(parts, vocab, gen)
         got, want = fused.forward(inp), reference.forward(inp)
@@ -297,3 +301,18 @@ def test_row_argmax_matches_torch_and_flags_every_non_finite_row(layout, monkeyp
     assert cpu_step.row_argmax(x.double()) is None and cpu_step.row_argmax(x[0]) is None  # PyTorch's way then
     y = torch.randn(100, 6).t()  # not contiguous: copied first
     assert torch.equal(cpu_step.row_argmax(y), y.argmax(dim=-1))
+
+
+def test_a_prefill_step_without_logit_rows_writes_the_cache_and_returns_no_logits():
+    """A step of prompt prefill alone asks for no logits: the logits projection runs over zero rows (once a
+    division by zero there killed the server with SIGFPE at its first prompt)."""
+    model = _model(*SHAPES["head64-gqa"])
+    fused, reference = _runners(model)
+    gen = torch.Generator().manual_seed(3)
+    for parts in ([(0, 0, 9), (1, 0, 4)], [(0, 9, 2)]):
+        inp = _batch(parts, 203, gen)
+        inp = ModelInput(inp.token_ids, inp.positions, inp.slots, inp.segments, torch.zeros(0, dtype=torch.long))
+        got, want = fused.forward(inp), reference.forward(inp)
+        assert got.shape == want.shape == (0, 203)
+    assert torch.allclose(fused.kv.k[:, :2, :, :11], reference.kv.k[:, :2, :, :11], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(fused.kv.v[:, :2, :, :11], reference.kv.v[:, :2, :, :11], atol=1e-4, rtol=1e-4)
