@@ -343,8 +343,10 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
 #if !SLED_BALANCED_BLOCKS
         base = MR, extra = 0;
 #endif
-        for (int64_t i = 0, m0 = 0; i < nb; m0 += base + (i < extra), ++i) {
-            int mb = (int)(M - m0 < base + (i < extra) ? M - m0 : base + (i < extra));
+        for (int64_t i = 0, m0 = 0, h; i < nb; ++i, m0 += h) {
+            h = base + (i < extra);
+            if (h > M - m0) h = M - m0;  /* the last of MR-row blocks */
+            int mb = (int)h;
             vf c[MR][NV];
             const float *xm = x + m0 * ldx;
             const char *pf = (const char *)pq;
