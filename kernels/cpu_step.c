@@ -59,6 +59,13 @@
 #ifndef SLED_BALANCED_BLOCKS
 #define SLED_BALANCED_BLOCKS 1 /* see gemv; 0 fills MR rows a block and leaves the rest to the last */
 #endif
+#ifndef SLED_PREFETCH_MIN_ROWS /* see gemv: the fewest batch rows for which the next panel is prefetched */
+#if SLED_VBYTES * NV >= 128
+#define SLED_PREFETCH_MIN_ROWS 8
+#else
+#define SLED_PREFETCH_MIN_ROWS 3
+#endif
+#endif
 #if MR < 1 || MR > 8 || NV < 1
 #error "MR (batch rows per block) must be 1 to 8 and NV positive"
 #endif
@@ -314,16 +321,16 @@ SLED_BLOCK(8)
 
 /* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k] for w packed in panels (p), the panels
  * split across threads; each thread runs its panel over every block of MR batch rows while the panel is in cache.
- * From 3 rows, the thread's next panel is prefetched while this one is computed, so that it streams in meanwhile
- * instead of after it (first measured: 0.83-0.94x the time at 3 to 12 rows, 1.02-1.08x at 1 and 2, where one block
- * streams each panel and the second stream only competes with it). Each of the panel's blocks prefetches its
- * share of the next panel, evenly over its steps: when the first block prefetched it all, it asked for a line
- * every step of 6 rows (about 26 GB/s a core at 2.45 GHz against about 10 that a core gets here), the misses
- * queued behind one another and stalled its loads, and the later blocks ran with memory idle. Spread, the same
- * lines go out at the rate they arrive. Measured on an AVX2-only EPYC (copy bandwidth about 21 GB/s), 2 threads:
- * the projections of 30 layers of SmolLM2-135M's shapes (a C probe, 15 rounds interleaved) 0.78-0.86x the time at
- * 8 to 32 rows, 1.00x at 4; the whole step of the real model (both builds in one process, interleaved, medians
- * of 9 rounds) 0.72-0.85x at 8 to 32 tokens, 0.89x at 48, 1.01-1.04x at 1 to 4 (the same code there).
+ * From 3 rows (8 with 128-byte panel rows, below), the thread's next panel is prefetched while this one is computed, so
+ * that it streams in meanwhile instead of after it (first measured: 0.83-0.94x the time at 3 to 12 rows, 1.02-1.08x at
+ * 1 and 2, where one block streams each panel and the second stream only competes with it). Each of the panel's blocks
+ * prefetches its share of the next panel, evenly over its steps: when the first block prefetched it all, it asked for a
+ * line every step of 6 rows (about 26 GB/s a core at 2.45 GHz against about 10 that a core gets here), the misses
+ * queued behind one another and stalled its loads, and the later blocks ran with memory idle. Spread, the same lines go
+ * out at the rate they arrive. Measured on an AVX2-only EPYC (copy bandwidth about 21 GB/s), 2 threads: the projections
+ * of 30 layers of SmolLM2-135M's shapes (a C probe, 15 rounds interleaved) 0.78-0.86x the time at 8 to 32 rows, 1.00x
+ * at 4; the whole step of the real model (both builds in one process, interleaved, medians of 9 rounds) 0.72-0.85x at 8
+ * to 32 tokens, 0.89x at 48, 1.01-1.04x at 1 to 4 (the same code there).
  * SLED_PREFETCH_SPREAD=0 builds the first-block form, for such a comparison.
  * The M rows run as ceil(M / MR) blocks of nearly equal height (13 rows at MR 6: 5 + 4 + 4), not MR rows a block
  * with the rest in the last (6 + 6 + 1): each block prefetches an equal share of the next panel, and a short last
@@ -331,7 +338,17 @@ SLED_BLOCK(8)
  * Measured on an AVX-512 EPYC (family 25 model 17), 2 threads, the whole step of the real model (both builds in
  * one process, interleaved, medians of 5 rounds, the same logits bit for bit): 0.73-0.85x the time at 7 to 9
  * tokens, 0.84-0.87x at 13 and 14, 0.86-0.92x at 19 and 20; 0.96-1.02x at 10, 11, 16, 17, 24 and 32 and where
- * both forms block alike (1 to 6 rows). SLED_BALANCED_BLOCKS=0 builds the earlier form, for such a comparison. */
+ * both forms block alike (1 to 6 rows). SLED_BALANCED_BLOCKS=0 builds the earlier form, for such a comparison.
+ * With panels of 128 bytes a k row (AVX-512, 32 floats), the next panel is prefetched from 8 rows, not 3: a single
+ * block of 3 to 6 rows asked for the next panel's 128 bytes every step on top of the 128 it computes on, and the
+ * misses stalled its loads as above. Measured on the AVX-512 EPYC (both builds in one process, interleaved, medians
+ * of 5 rounds, the same logits bit for bit): the whole step 0.91x the time at 3 tokens, 0.86x at 4, 0.83x at 5,
+ * 0.81x at 6, 1.00-1.02x at 1, 2 and 7 (two blocks); from 8 rows both builds are the same code, and a build with no
+ * prefetch at all was 1.10-1.18x slower at 12 to 20. In the system benchmark's load at 4 devices (two servers
+ * side by side, 4 interleaved passes) server-only, whose steps are 4 tokens, committed 1.11-1.16x the tokens a
+ * second; SLED 0.98-1.02x. On the AVX2 EPYC (64-byte panel rows) prefetching from 3 rows measured 0.83-0.94x the
+ * time at 3 to 12 rows (the first-block form, against none), so narrower panels keep it from 3.
+ * SLED_PREFETCH_MIN_ROWS sets the threshold, for such a comparison. */
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
@@ -351,7 +368,7 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
             const float *xm = x + m0 * ldx;
             const char *pf = (const char *)pq;
             int64_t pfstep = NR * (int64_t)sizeof(float);
-            if (M >= 3 && q + 1 < npanels) {
+            if (M >= SLED_PREFETCH_MIN_ROWS && q + 1 < npanels) {
                 const char *next = (const char *)(pq + K * NR);
 #if SLED_PREFETCH_SPREAD
                 /* block i of nb: its share of the next panel's K rows, a share of a row a step */

@@ -87,6 +87,8 @@ LAYOUTS = {
     "avx2-8x2x6-first-block-prefetch": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_PREFETCH_SPREAD=0"),
     # the earlier row blocks (MR rows each, the rest in the last), kept buildable for comparisons
     "avx2-8x2x6-full-blocks-first": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_BALANCED_BLOCKS=0"),
+    # 32-float panels prefetch from 8 rows; the earlier threshold (3), kept buildable for comparisons
+    "avx512-16x2x6-prefetch-from-3": ("SLED_VBYTES=64", "NV=2", "MR=6", "SLED_PREFETCH_MIN_ROWS=3"),
 }
 # The 8-float layouts are built without AVX-512 on x86, so an AVX-512 host builds what an AVX2-only CPU builds
 # (an intrinsic whose header was included for AVX-512 alone once broke the build on AVX2 CPUs only).
