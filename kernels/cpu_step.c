@@ -37,7 +37,8 @@
  * threads, 4 runs) 0.74-0.86x the time from 4 to 32 rows and 0.97-1.02x at 1 row, where 4 x 3 and 6 x 1 did
  * worse; over the whole step of SmolLM2-135M (both kernels in one process, interleaved, medians of 4-12 rounds)
  * 0.84-0.90x at 1 to 12 tokens, 0.91-1.02x at 16 and 0.96-1.05x at 32.
- * AVX-512 (32 registers of 16 floats): the same 6 x 2, 32 features a panel, not measured on an AVX-512 host yet.
+ * AVX-512 (32 registers of 16 floats): the same 6 x 2, 32 features a panel; this blocking was not compared with
+ * others on an AVX-512 host in the repo's record, but its row blocks and prefetch were (an AVX-512 EPYC, see gemv).
  * Each can be overridden with -D (SLED_VBYTES, NV, MR) for such a sweep; the tests build several. */
 #if defined(__AVX512F__)
 #define SLED_DEFAULT_VBYTES 64
