@@ -353,14 +353,15 @@ SLED_BLOCK(8)
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
+    /* the same row blocks for every panel */
+    int64_t nb = (M + MR - 1) / MR, base = nb ? M / nb : 0, extra = nb ? M % nb : 0;  /* M = 0: no logits */
+#if !SLED_BALANCED_BLOCKS
+    base = MR, extra = 0;
+#endif
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < npanels; ++q) {
         const float *pq = p + q * K * NR;
         int64_t n0 = q * NR, nn = N - n0 < NR ? N - n0 : NR;
-        int64_t nb = (M + MR - 1) / MR, base = nb ? M / nb : 0, extra = nb ? M % nb : 0;  /* M = 0: no logits */
-#if !SLED_BALANCED_BLOCKS
-        base = MR, extra = 0;
-#endif
         for (int64_t i = 0, m0 = 0, h; i < nb; ++i, m0 += h) {
             h = base + (i < extra);
             if (h > M - m0) h = M - m0;  /* the last of MR-row blocks */
