@@ -37,9 +37,9 @@
  * threads, 4 runs) 0.74-0.86x the time from 4 to 32 rows and 0.97-1.02x at 1 row, where 4 x 3 and 6 x 1 did
  * worse; over the whole step of SmolLM2-135M (both kernels in one process, interleaved, medians of 4-12 rounds)
  * 0.84-0.90x at 1 to 12 tokens, 0.91-1.02x at 16 and 0.96-1.05x at 32.
- * AVX-512 (32 registers of 16 floats): the same 6 x 2, 32 features a panel; this blocking was not compared with
- * others on an AVX-512 host in the repo's record, but its row blocks and prefetch were (an AVX-512 EPYC, see gemv).
- * Each can be overridden with -D (SLED_VBYTES, NV, MR) for such a sweep; the tests build several. */
+ * AVX-512 (32 registers of 16 floats): 32 features a panel, blocks of up to 8 rows where two blocks take the batch
+ * and of up to 6 where more are needed (MR 8, MR_MANY 6; see gemv, where it was measured).
+ * Each can be overridden with -D (SLED_VBYTES, NV, MR, MR_MANY) for such a sweep; the tests build several. */
 #if defined(__AVX512F__)
 #define SLED_DEFAULT_VBYTES 64
 #else
@@ -52,7 +52,14 @@
 #define NV 2
 #endif
 #ifndef MR
+#if SLED_VBYTES * NV >= 128
+#define MR 8
+#else
 #define MR 6
+#endif
+#endif
+#ifndef MR_MANY /* see gemv: the most rows a block where more than two blocks are needed */
+#define MR_MANY (MR < 6 ? MR : 6)
 #endif
 #ifndef SLED_PREFETCH_SPREAD
 #define SLED_PREFETCH_SPREAD 1 /* see gemv; 0 prefetches the next panel in the first block only */
@@ -67,8 +74,8 @@
 #define SLED_PREFETCH_MIN_ROWS 3
 #endif
 #endif
-#if MR < 1 || MR > 8 || NV < 1
-#error "MR (batch rows per block) must be 1 to 8 and NV positive"
+#if MR < 1 || MR > 8 || NV < 1 || MR_MANY < 1 || MR_MANY > MR
+#error "MR (batch rows per block) must be 1 to 8, MR_MANY 1 to MR and NV positive"
 #endif
 typedef float vf __attribute__((vector_size(SLED_VBYTES)));
 typedef float vfu __attribute__((vector_size(SLED_VBYTES), aligned(4), may_alias));
@@ -256,8 +263,8 @@ struct sled_model {
 #endif
 
 /* c = x[0:mb, :] times one panel: c[m][v] holds outputs v VL .. v VL + VL - 1 of the panel for batch row m.
- * Each step over k also prefetches the byte pf + k * pfstep: gemv passes its share of the next panel (or this
- * panel, already in cache, for none). */
+ * Each step over k also prefetches the bytes pf + k * pfstep .. + pfstep, a line each: gemv passes its share of the
+ * next panel, or a step of 0 for none. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int mb, const float *p,
                                                          int64_t K, vf c[MR][NV], const char *pf, int64_t pfstep) {
     vf acc[MR][NV];  /* local, so they live in registers; c is written once at the end */
@@ -265,7 +272,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         for (int v = 0; v < NV; ++v) acc[m][v] = (vf){0};
     for (int64_t k = 0; k < K; ++k) {
         vf w[NV];
-        __builtin_prefetch(pf + k * pfstep, 0, 1);
+        for (int64_t o = 0; o < pfstep; o += 64) __builtin_prefetch(pf + k * pfstep + o, 0, 1);
         for (int v = 0; v < NV; ++v) {
             w[v] = vload(p + k * NR + v * VL);
             SLED_IN_REGISTER(w[v]);
@@ -341,20 +348,29 @@ SLED_BLOCK(8)
  * tokens, 0.84-0.87x at 13 and 14, 0.86-0.92x at 19 and 20; 0.96-1.02x at 10, 11, 16, 17, 24 and 32 and where
  * both forms block alike (1 to 6 rows). SLED_BALANCED_BLOCKS=0 builds the earlier form, for such a comparison.
  * With panels of 128 bytes a k row (AVX-512, 32 floats), the next panel is prefetched from 8 rows, not 3: a single
- * block of 3 to 6 rows asked for the next panel's 128 bytes every step on top of the 128 it computes on, and the
- * misses stalled its loads as above. Measured on the AVX-512 EPYC (both builds in one process, interleaved, medians
+ * block of 3 to 6 rows asked for a line of the next panel every step on top of the 128 bytes it computes on (one
+ * prefetch a step, so every other line of it; since then every line of a step's share is asked for, and that
+ * measured 1.07-1.14x the time at 3 to 6 tokens against none, one pass of 3 rounds), and the misses stalled its
+ * loads as above. Measured on the AVX-512 EPYC (both builds in one process, interleaved, medians
  * of 5 rounds, the same logits bit for bit): the whole step 0.91x the time at 3 tokens, 0.86x at 4, 0.83x at 5,
  * 0.81x at 6, 1.00-1.02x at 1, 2 and 7 (two blocks); from 8 rows both builds are the same code, and a build with no
  * prefetch at all was 1.10-1.18x slower at 12 to 20. In the system benchmark's load at 4 devices (two servers
  * side by side, 4 interleaved passes) server-only, whose steps are 4 tokens, committed 1.11-1.16x the tokens a
  * second; SLED 0.98-1.02x. On the AVX2 EPYC (64-byte panel rows) prefetching from 3 rows measured 0.83-0.94x the
  * time at 3 to 12 rows (the first-block form, against none), so narrower panels keep it from 3.
- * SLED_PREFETCH_MIN_ROWS sets the threshold, for such a comparison. */
+ * SLED_PREFETCH_MIN_ROWS sets the threshold, for such a comparison.
+ * AVX-512's 32 registers take blocks of 8 rows (16 accumulators). A block is up to MR rows (8 there) where two
+ * blocks take the batch and up to MR_MANY (6) where more are needed. Measured on the AVX-512 EPYC against 6 rows
+ * a block at every size (both builds in one process, interleaved, medians of 6 rounds, the same logits bit for
+ * bit): the whole step 0.92x the time at 7 tokens (one block of 7 against 4 + 3), 0.95-0.97x at 13 to 16 (two
+ * blocks against three), 0.97-1.01x at 1 to 6, 8 to 12, 17, 18, 20, 24 and 32. Three blocks of up to 8 rows
+ * measured 1.01-1.08x the time at 20 to 24 against four of up to 6 (three passes), hence MR_MANY. */
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
     /* the same row blocks for every panel */
-    int64_t nb = (M + MR - 1) / MR, base = nb ? M / nb : 0, extra = nb ? M % nb : 0;  /* M = 0: no logits */
+    int64_t nb = M <= 2 * MR ? (M + MR - 1) / MR : (M + MR_MANY - 1) / MR_MANY;
+    int64_t base = nb ? M / nb : 0, extra = nb ? M % nb : 0;  /* M = 0: no logits */
 #if !SLED_BALANCED_BLOCKS
     base = MR, extra = 0;
 #endif
@@ -368,16 +384,18 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
             int mb = (int)h;
             vf c[MR][NV];
             const float *xm = x + m0 * ldx;
-            const char *pf = (const char *)pq;
-            int64_t pfstep = NR * (int64_t)sizeof(float);
+            const char *pf = NULL;
+            int64_t pfstep = 0;  /* no prefetch */
             if (M >= SLED_PREFETCH_MIN_ROWS && q + 1 < npanels) {
                 const char *next = (const char *)(pq + K * NR);
+                pfstep = NR * (int64_t)sizeof(float);
 #if SLED_PREFETCH_SPREAD
                 /* block i of nb: its share of the next panel's K rows, a share of a row a step */
                 pf = next + i * K / nb * NR * (int64_t)sizeof(float);
                 pfstep /= nb;
 #else
                 if (m0 == 0) pf = next;  /* the first block prefetches it all */
+                else pfstep = 0;
 #endif
             }
             switch (mb) {  /* each row count its own loop */

@@ -80,6 +80,9 @@ SHAPES = {
 LAYOUTS = {
     "native": (),
     "avx2-8x2x6": ("SLED_VBYTES=32", "NV=2", "MR=6"),
+    # AVX-512's blocking (up to 8 rows a block where two blocks take the batch, 6 where more are needed), for hosts
+    # without it; and the 6-row blocks it had before, kept buildable for comparisons
+    "avx512-16x2x8": ("SLED_VBYTES=64", "NV=2", "MR=8"),
     "avx512-16x2x6": ("SLED_VBYTES=64", "NV=2", "MR=6"),
     # 24-wide panels, 7-row blocks; the attention's lane shuffles as older GCCs (11) build them
     "odd-8x3x7": ("SLED_VBYTES=32", "NV=3", "MR=7", "SLED_GCC_SHUFFLE=1"),
@@ -112,12 +115,13 @@ def test_fused_step_matches_reference_over_ragged_batches(shape, layout, monkeyp
     vocab = dims[-1]
     gen = torch.Generator().manual_seed(1)
     # Prefills of two slots in one batch, then decode tokens and drafts of several slots together, out of order.
-    # Rows per step: 10, 1, 8, 9, 6, 11, 5, 2, 3, 7 and 13. Balanced blocks, at most 6 rows: 5+5, 1, 4+4, 5+4,
-    # 6, 6+5, 5, 2, 3, 4+3, 5+4+4; at most 7: 5+5, 1, 4+4, 5+4, 6, 6+5, 5, 2, 3, 7, 7+6; 6 rows a block first:
-    # 6+4, 1, 6+2, 6+3, 6, 6+5, 5, 2, 3, 6+1, 6+6+1.
+    # Rows per step: 10, 1, 8, 9, 6, 11, 5, 2, 3, 7, 13 and 18. Balanced blocks, at most 6 rows: 5+5, 1, 4+4,
+    # 5+4, 6, 6+5, 5, 2, 3, 4+3, 5+4+4, 6+6+6; at most 7 (6 past two blocks): 5+5, 1, 4+4, 5+4, 6, 6+5, 5, 2, 3,
+    # 7, 7+6, 6+6+6; at most 8 (6 past two blocks): 5+5, 1, 8, 5+4, 6, 6+5, 5, 2, 3, 7, 7+6, 6+6+6; 6 rows a
+    # block first: 6+4, 1, 6+2, 6+3, 6, 6+5, 5, 2, 3, 6+1, 6+6+1, 6+6+6.
     steps = [[(0, 0, 7), (2, 0, 3)], [(2, 3, 1)], [(0, 7, 5), (2, 4, 1), (1, 0, 2)], [(1, 2, 9)],
              [(2, 5, 4), (0, 12, 1), (1, 11, 1)], [(0, 13, 6), (2, 9, 5)], [(1, 12, 5)], [(0, 19, 2)],
-             [(1, 17, 3)], [(2, 14, 7)], [(0, 21, 6), (1, 20, 7)]]
+             [(1, 17, 3)], [(2, 14, 7)], [(0, 21, 6), (1, 20, 7)], [(0, 27, 9), (1, 27, 9)]]
     for parts in steps:
         inp = _batch(parts, vocab, gen)
         got, want = fused.forward(inp), reference.forward(inp)
