@@ -372,7 +372,7 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
     int64_t nb = M <= 2 * MR ? (M + MR - 1) / MR : (M + MR_MANY - 1) / MR_MANY;
     int64_t base = nb ? M / nb : 0, extra = nb ? M % nb : 0;  /* M = 0: no logits */
 #if !SLED_BALANCED_BLOCKS
-    base = MR, extra = 0;
+    base = M <= 2 * MR ? MR : MR_MANY, extra = 0;
 #endif
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < npanels; ++q) {
