@@ -65,7 +65,7 @@
 #define SLED_PREFETCH_SPREAD 1 /* see gemv; 0 prefetches the next panel in the first block only */
 #endif
 #ifndef SLED_BALANCED_BLOCKS
-#define SLED_BALANCED_BLOCKS 1 /* see gemv; 0 fills MR rows a block and leaves the rest to the last */
+#define SLED_BALANCED_BLOCKS 1 /* see gemv; 0 fills each block (MR or MR_MANY rows) and leaves the rest to the last */
 #endif
 #ifndef SLED_PREFETCH_MIN_ROWS /* see gemv: the fewest batch rows for which the next panel is prefetched */
 #if SLED_VBYTES * NV >= 128
@@ -340,8 +340,8 @@ SLED_BLOCK(8)
  * at 4; the whole step of the real model (both builds in one process, interleaved, medians of 9 rounds) 0.72-0.85x at 8
  * to 32 tokens, 0.89x at 48, 1.01-1.04x at 1 to 4 (the same code there).
  * SLED_PREFETCH_SPREAD=0 builds the first-block form, for such a comparison.
- * The M rows run as ceil(M / MR) blocks of nearly equal height (13 rows at MR 6: 5 + 4 + 4), not MR rows a block
- * with the rest in the last (6 + 6 + 1): each block prefetches an equal share of the next panel, and a short last
+ * The M rows run as ceil(M / MR) blocks (ceil(M / MR_MANY) past two, below) of nearly equal height (13 rows at
+ * MR 6: 5 + 4 + 4), not MR rows a block with the rest in the last (6 + 6 + 1): each block prefetches an equal share of the next panel, and a short last
  * block asked for its share within a few steps, stalled on memory, and ran its one or two rows load-bound.
  * Measured on an AVX-512 EPYC (family 25 model 17), 2 threads, the whole step of the real model (both builds in
  * one process, interleaved, medians of 5 rounds, the same logits bit for bit): 0.73-0.85x the time at 7 to 9
