@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edge_client.adaptive import AdaptiveDraftLength  # noqa: E402
+from edge_client import codec  # noqa: E402
 from edge_client.cli import describe_kernels  # noqa: E402
 from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
@@ -331,6 +332,11 @@ def summarize(mode, n, w: Window):
         "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
         "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
+        # Tokens through the forward per step (prefill, and each verification's draft and the token before it), and
+        # tokens committed per step: what step_cost_ceiling prices at the steps' cost alone.
+        "server_step_tokens": (prefilled + after.verifications - before.verifications + after.draft_tokens
+                               - before.draft_tokens) / steps if steps else 0.0,
+        "server_committed_per_step": (after.emitted_tokens - before.emitted_tokens) / steps if steps else 0.0,
         "window_opened_s": w.opened_s,
         "host_cpu_stolen_share": w.stolen,
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
@@ -396,6 +402,82 @@ def server_rate(row: dict) -> float:
     return ratio(row["system_tokens_per_s"], row["server_busy_share"])
 
 
+def step_costs_alone(address, tokenizer, prompt_ids, max_sessions: int, repeats: int = 7,
+                     sizes=(1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64)) -> dict[int, float]:
+    """The server's step time (ms, median of `repeats`) at each of `sizes` tokens with nothing else running: a
+    few sessions verify drafts of together that many tokens (a draft of d tokens puts d + 1 through the forward),
+    concurrently, so that they share one step; each verdict says how many tokens its step had and how long it
+    took, and a step that came out of another size counts for the size it had. Sizes past what `max_sessions`
+    sessions can send in one step are skipped."""
+    per = K_MAX + 1  # the most tokens one session puts in a step
+    sizes = [n for n in sizes if n <= max_sessions * per]
+    width = -(-max(sizes) // per)
+
+    async def measure():
+        client = VerifierClient(address)
+        room = (await client.info()).context_limit - max(len(i) for i in prompt_ids) - 1  # tokens a session may add
+        opened: list = [None] * width
+        ids = [list(prompt_ids[i % len(prompt_ids)]) for i in range(width)]
+        rounds = [0] * width
+        seen: dict[int, list[float]] = {}
+
+        async def open_session(i):
+            opened[i] = await client.open(codec.open_message(ids[i], SamplingParams(), room, tokenizer.fingerprint))
+            rounds[i] = 0
+            await verify(i, 1)  # after its prompt's prefill: not a timed step
+
+        async def verify(i, tokens):
+            v = await opened[i].verify(rounds[i], Proposal([0] * (tokens - 1)))  # token 0 is rarely accepted
+            rounds[i] += 1
+            if v.finished:  # the target ended its text: a new session for the next step
+                await opened[i].close()
+                opened[i] = None
+            return v
+
+        try:
+            for _ in range(repeats):
+                for n in sizes:
+                    split = [per] * (n // per) + ([n % per] if n % per else [])
+                    for i in range(len(split)):  # open (and prefill) first, so the timed step has only the drafts
+                        while opened[i] is None:
+                            await open_session(i)
+                    verdicts = await asyncio.gather(*[verify(i, t) for i, t in enumerate(split)])
+                    for v in {(v.step_tokens, v.step_ms) for v in verdicts}:
+                        seen.setdefault(v[0], []).append(v[1])
+        finally:
+            for session in opened:
+                if session is not None:
+                    await session.close()
+            await client.close()
+        return {n: float(np.median(t)) for n, t in sorted(seen.items())}
+
+    return asyncio.run(measure())
+
+
+def interpolate_cost(costs: dict[int, float], n: float) -> float:
+    """The step time at n tokens, linear between the sizes measured (and past the ends, along the nearest two)."""
+    xs = sorted(costs)
+    if len(xs) == 1:
+        return costs[xs[0]]
+    i = min(max(int(np.searchsorted(xs, n)), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return costs[x0] + (costs[x1] - costs[x0]) * (n - x0) / (x1 - x0)
+
+
+def step_cost_ceiling(costs: dict[int, float], sled: dict, base: dict, devices: int) -> tuple[float, float, float, int]:
+    """The most SLED / server-only can be if every step ran at its cost alone (`costs`, step_costs_alone): server-only
+    spends c(T) / C per committed token at its run's T tokens and C committed a step; SLED forwards F tokens per
+    committed one (prefill, the token before each draft, rejected drafts; counted in its run) and a forwarded token
+    costs at least min c(n) / n over the sizes its devices can fill (n up to devices × (K_MAX + 1)). Returns (the
+    ceiling, server-only's ms per committed token, SLED's least ms per forwarded token, the n where it is least)."""
+    fit = {n: c for n, c in costs.items() if n <= devices * (K_MAX + 1)} or costs
+    best_n = min(fit, key=lambda n: fit[n] / n)
+    per_forwarded = fit[best_n] / best_n
+    base_per_token = interpolate_cost(costs, base["server_step_tokens"]) / base["server_committed_per_step"]
+    forwarded = sled["server_step_tokens"] / sled["server_committed_per_step"]
+    return ratio(base_per_token, forwarded * per_forwarded), base_per_token, per_forwarded, best_n
+
+
 def drafting_line(runs: dict, spt: float) -> str:
     """The section's line on the drafting speed the replayed devices reached, over every counted run."""
     reached = [r["drafting_ms_per_token"] for cfg in runs.values() for r in cfg
@@ -447,14 +529,15 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
 
 
 def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict], waiting_rows: list[dict],
-                  slo_ms: float) -> dict:
+                  slo_ms: float, costs: list[tuple[str, dict[int, float]]] = ()) -> dict:
     """The section's tables and verdicts from the reported rows: `main` (a row per count and mode, with SLED /
     server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
     `capacity` per mode (the largest count whose p95 inter-token latency is within slo_ms, else 0), `verdicts`
     (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices), `bound`
     (drafting_bound / server-only per count, the most SLED / server-only can be from the devices' side),
     `server_side` (each mode's server_rate per count and their ratio, the most it can be from the server's side at
-    the steps measured) and `by` (the rows by (mode, devices))."""
+    the steps measured), `alone` (step_cost_ceiling per count for each of `costs`, the server's step times alone
+    measured when each label says; empty without them) and `by` (the rows by (mode, devices))."""
     sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
     by = {(r["mode"], r["devices"]): r for r in rows}
 
@@ -523,6 +606,28 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                    "busy), what each mode would commit with the server never idle at the steps it ran; their ratio "
                    "is the most SLED / server-only can be without cheaper steps, however fast the devices draft: "
                    + ", ".join(served) + "\n")
+    alone = ""
+    if costs:
+        parts = []
+        for n in counts:
+            sled, base = by[("sled", n)], by[("server-only", n)]
+            got = ratio(sled["system_tokens_per_s"], base["system_tokens_per_s"])
+            each = []
+            for label, c in costs:
+                ceiling, base_ms, sled_ms, best_n = step_cost_ceiling(c, sled, base, n)
+                each.append(f"{label} {ceiling:.2f}x (server-only {base_ms:.2f} ms per committed token; SLED "
+                            f"{sled_ms:.2f} ms per forwarded token at {best_n})")
+            parts.append(f"{n} devices: server-only {base['server_step_tokens']:.1f} tokens a step, "
+                         f"{base['server_committed_per_step']:.1f} committed; SLED "
+                         f"{sled['server_step_tokens'] / sled['server_committed_per_step']:.2f} forwarded per "
+                         f"committed; ceiling " + ", ".join(each) + f"; measured {got:.2f}x")
+        timed = "; ".join(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()) for label, c in costs)
+        alone = ("- the steps' cost alone: the server's step time with nothing else running, timed through it (ms at "
+                 f"n tokens; {timed}); if every step ran at that cost, server-only would spend c(T) / C per "
+                 "committed token at its run's T tokens and C committed a step, and SLED, forwarding F tokens per "
+                 "committed one (prefill, the token before each draft, rejected drafts), at least F × min c(n) / n "
+                 "over the sizes its devices can fill; their quotient bounds SLED / server-only at the forwarding "
+                 "these runs had, with every step at its cost alone: " + "; ".join(parts) + "\n")
     overhead = ""
     if sixteen:
         s = sixteen[0]
@@ -530,7 +635,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
     return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
-            "overhead": overhead, "bound": bound, "server_side": server_side,
+            "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
             "stolen": stolen_line(rows + adaptive_rows + waiting_rows)}
 
 
@@ -698,6 +803,9 @@ def main() -> int:
                     print(f"[bench] wrote {args.json}")
                 return 0
 
+        costs = [("before the runs", step_costs_alone(address, tokenizer, ids, top))]
+        print("[bench] the server's step alone (tokens: ms): "
+              + ", ".join(f"{k}: {v:.1f}" for k, v in costs[0][1].items()), flush=True)
         plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead")]
         # Every configuration runs --repeats times, the order reversed on every other pass so that a slow
         # stretch of this shared machine does not fall on one configuration; the median run is reported.
@@ -735,13 +843,15 @@ def main() -> int:
                          "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0,
                          "server_busy_share": 0.0})
 
+        # Timed again at the end: this shared machine's speed drifts over a run of many minutes.
+        costs.append(("after them", step_costs_alone(address, tokenizer, ids, top)))
         # The server's kernels, with its start-up choice of kernel for large steps (its warm-up times them), which
         # moves SLED's figures at many devices: a run where it came out low is visible as such.
         kernels = asyncio.run(fetch_info(address))
     finally:
         server.stop()
 
-    t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms)
+    t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms, costs)
     by, lines, alines, wlines = t["by"], t["main"], t["k"], t["ahead"]
     capacity, verdicts, overhead, stolen = t["capacity"], t["verdicts"], t["overhead"], t["stolen"]
     bound, server_side = t["bound"], t["server_side"]
@@ -790,7 +900,7 @@ def main() -> int:
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
         "below likewise give adaptive / the best fixed K of each pass)\n"
         + stolen + "\n"
-        + "\n".join(lines) + "\n\n" + bound + server_side + "\n"
+        + "\n".join(lines) + "\n\n" + bound + server_side + t["alone"] + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "
         "processes sharing the cores: see the engine speed section (`scripts/bench_engine.py`)\n\n"

@@ -203,6 +203,18 @@ def test_the_window_opens_only_once_every_device_has_committed(tiny_server, toke
     assert min(times) >= t0 + w.opened_s
 
 
+def test_step_costs_alone_time_each_size_as_one_step(tiny_server, tokenizer):
+    """The steps' cost alone, timed through a real server: sizes past one session's draft (9 tokens) are several
+    sessions' drafts that must share one step, and each size is keyed by the tokens its step really had (the
+    verdict's step_tokens), so a size whose drafts were split over two steps would be missing here."""
+    from scripts.bench_system import prompts, step_costs_alone
+
+    costs = step_costs_alone(tiny_server.address, tokenizer, prompts(tokenizer, 2), max_sessions=3, repeats=3,
+                             sizes=(1, 4, 9, 12, 20, 28, 40))
+    assert sorted(costs) == [1, 4, 9, 12, 20]  # 28 and 40 need more than 3 sessions of 9 tokens: skipped
+    assert all(ms > 0 for ms in costs.values())
+
+
 def test_match_rate_counts_each_drafted_token_after_a_right_prefix():
     """What --match-only measures: P(drafted token = target's greedy token | the draft's tokens before it were)."""
     from scripts.bench_system import match_rate
@@ -268,6 +280,11 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
     assert ("SLED / server-only ≤ device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
             "(r·s ≥ 1: the drafters' own rate is the bound): 1 devices ") in text
+    # the ceiling at the steps' cost alone, timed through the server before and after the runs
+    assert re.search(r"- the steps' cost alone: the server's step time with nothing else running, timed through it "
+                     r"\(ms at n tokens; before the runs: 1 [\d.]+, .*; after them: 1 [\d.]+, .*\); .*: 1 devices: "
+                     r"server-only [\d.]+ tokens a step, [\d.]+ committed; SLED [\d.]+ forwarded per committed; "
+                     r"ceiling before the runs [\d.]+x .*, after them [\d.]+x .*; measured [\d.]+x\n", text)
     # the verdict, pass by pass (one repeat: one pass)
     assert re.search(r"- 1 devices: adaptive .* tok/s vs best fixed K=\d .*; pass by pass [\d.]+x, median [\d.]+x\n", text)
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
