@@ -403,14 +403,16 @@ def server_rate(row: dict) -> float:
 
 
 def step_costs_alone(address, tokenizer, prompt_ids, max_sessions: int, repeats: int = 7,
-                     sizes=(1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64)) -> dict[int, float]:
+                     sizes=(1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128, 192, 256)
+                     ) -> dict[int, float]:
     """The server's step time (ms, median of `repeats`) at each of `sizes` tokens with nothing else running: a
     few sessions verify drafts of together that many tokens (a draft of d tokens puts d + 1 through the forward),
     concurrently, so that they share one step; each verdict says how many tokens its step had and how long it
     took, and a step that came out of another size counts for the size it had. Sizes past what `max_sessions`
-    sessions can send in one step are skipped."""
+    sessions can send in one step are skipped, and that most is timed too, so that the sizes cover every step
+    the devices' drafts can fill (step_cost_ceiling takes the least cost per token among them)."""
     per = K_MAX + 1  # the most tokens one session puts in a step
-    sizes = [n for n in sizes if n <= max_sessions * per]
+    sizes = sorted({n for n in sizes if n < max_sessions * per} | {max_sessions * per})
     width = -(-max(sizes) // per)
 
     async def measure():
