@@ -333,7 +333,7 @@ def summarize(mode, n, w: Window):
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
         "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
         # Tokens through the forward per step (prefill, and each verification's draft and the token before it), and
-        # tokens committed per step: what step_cost_ceiling prices at the steps' cost alone.
+        # tokens committed per step: what step_cost_ratio prices at the steps' cost alone.
         "server_step_tokens": (prefilled + after.verifications - before.verifications + after.draft_tokens
                                - before.draft_tokens) / steps if steps else 0.0,
         "server_committed_per_step": (after.emitted_tokens - before.emitted_tokens) / steps if steps else 0.0,
@@ -410,7 +410,7 @@ def step_costs_alone(address, tokenizer, prompt_ids, max_sessions: int, repeats:
     concurrently, so that they share one step; each verdict says how many tokens its step had and how long it
     took, and a step that came out of another size counts for the size it had. Sizes past what `max_sessions`
     sessions can send in one step are skipped, and that most is timed too, so that the sizes cover every step
-    the devices' drafts can fill (step_cost_ceiling takes the least cost per token among them)."""
+    the devices' drafts can fill (step_cost_ratio takes the least cost per token among them)."""
     per = K_MAX + 1  # the most tokens one session puts in a step
     sizes = sorted({n for n in sizes if n < max_sessions * per} | {max_sessions * per})
     width = -(-max(sizes) // per)
@@ -466,12 +466,13 @@ def interpolate_cost(costs: dict[int, float], n: float) -> float:
     return costs[x0] + (costs[x1] - costs[x0]) * (n - x0) / (x1 - x0)
 
 
-def step_cost_ceiling(costs: dict[int, float], sled: dict, base: dict, devices: int) -> tuple[float, float, float, int]:
-    """The most SLED / server-only can be if every step ran at its cost alone (`costs`, step_costs_alone): server-only
-    spends c(T) / C per committed token at its run's T tokens and C committed a step; SLED forwards F tokens per
-    committed one (prefill, the token before each draft, rejected drafts; counted in its run) and a forwarded token
-    costs at least min c(n) / n over the sizes its devices can fill (n up to devices × (K_MAX + 1)). Returns (the
-    ceiling, server-only's ms per committed token, SLED's least ms per forwarded token, the n where it is least)."""
+def step_cost_ratio(costs: dict[int, float], sled: dict, base: dict, devices: int) -> tuple[float, float, float, int]:
+    """What SLED / server-only would be if every step cost what `costs` (step_costs_alone) says: server-only spends
+    c(T) / C per committed token at its run's T tokens and C committed a step; SLED forwards F tokens per committed
+    one (prefill, the token before each draft, rejected drafts; counted in its run), each at the least c(n) / n over
+    the sizes its devices can fill (n up to devices × (K_MAX + 1)). Not a bound: the timings have a few sessions a
+    step, and a step of many one-token sessions (server-only at 16 and 32 devices) costs more than that. Returns
+    (the ratio, server-only's ms per committed token, SLED's least ms per forwarded token, the n where it is least)."""
     fit = {n: c for n, c in costs.items() if n <= devices * (K_MAX + 1)} or costs
     best_n = min(fit, key=lambda n: fit[n] / n)
     per_forwarded = fit[best_n] / best_n
@@ -538,7 +539,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
     (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices), `bound`
     (drafting_bound / server-only per count, the most SLED / server-only can be from the devices' side),
     `server_side` (each mode's server_rate per count and their ratio, the most it can be from the server's side at
-    the steps measured), `alone` (step_cost_ceiling per count for each of `costs`, the server's step times alone
+    the steps measured), `alone` (step_cost_ratio per count for each of `costs`, the server's step times alone
     measured when each label says; empty without them) and `by` (the rows by (mode, devices))."""
     sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
     by = {(r["mode"], r["devices"]): r for r in rows}
@@ -616,20 +617,21 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
             got = ratio(sled["system_tokens_per_s"], base["system_tokens_per_s"])
             each = []
             for label, c in costs:
-                ceiling, base_ms, sled_ms, best_n = step_cost_ceiling(c, sled, base, n)
-                each.append(f"{label} {ceiling:.2f}x (server-only {base_ms:.2f} ms per committed token; SLED "
+                at_cost, base_ms, sled_ms, best_n = step_cost_ratio(c, sled, base, n)
+                each.append(f"{label} {at_cost:.2f}x (server-only {base_ms:.2f} ms per committed token; SLED "
                             f"{sled_ms:.2f} ms per forwarded token at {best_n})")
             parts.append(f"{n} devices: server-only {base['server_step_tokens']:.1f} tokens a step, "
                          f"{base['server_committed_per_step']:.1f} committed; SLED "
                          f"{sled['server_step_tokens'] / sled['server_committed_per_step']:.2f} forwarded per "
-                         f"committed; ceiling " + ", ".join(each) + f"; measured {got:.2f}x")
+                         f"committed; at the cost alone " + ", ".join(each) + f"; measured {got:.2f}x")
         timed = "; ".join(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()) for label, c in costs)
         alone = ("- the steps' cost alone: the server's step time with nothing else running, timed through it (ms at "
                  f"n tokens; {timed}); if every step ran at that cost, server-only would spend c(T) / C per "
                  "committed token at its run's T tokens and C committed a step, and SLED, forwarding F tokens per "
                  "committed one (prefill, the token before each draft, rejected drafts), at least F × min c(n) / n "
-                 "over the sizes its devices can fill; their quotient bounds SLED / server-only at the forwarding "
-                 "these runs had, with every step at its cost alone: " + "; ".join(parts) + "\n")
+                 "over the sizes its devices can fill; their quotient is SLED / server-only with every step at its "
+                 "cost alone and SLED's at its best size, an estimate, not a bound (the timings have a few sessions "
+                 "a step; a step of many one-token sessions, server-only's at many devices, costs more): " + "; ".join(parts) + "\n")
     overhead = ""
     if sixteen:
         s = sixteen[0]

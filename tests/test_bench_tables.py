@@ -9,7 +9,7 @@ import math
 import pytest
 
 from scripts.bench_system import (drafting_bound, interpolate_cost, pick_medians, report_tables, server_rate,
-                                  step_cost_ceiling)
+                                  step_cost_ratio)
 
 
 def run(mode, n, rep, tok_s, p95=50.0, k=None, **extra):
@@ -196,33 +196,33 @@ def test_step_cost_is_interpolated_between_the_sizes_timed_and_extended_past_the
     assert interpolate_cost({4: 7.0}, 12) == 7.0
 
 
-def test_the_ceiling_at_the_steps_cost_alone():
+def test_the_ratio_at_the_steps_cost_alone():
     """Server-only at 4.5 tokens a step and 4 committed spends c(4.5) / 4 = 2.5625 ms a committed token; SLED,
     forwarding 16.5 tokens a step for 13.2 committed (F = 1.25), at best 1 ms a forwarded token (16 tokens, where
-    4 devices' drafts reach), so SLED / server-only can be at most 2.5625 / 1.25 = 2.05x. One device's drafts fill
-    at most 9 tokens a step: there the best is 8 tokens at 1.5 ms, and the ceiling 2.5625 / 1.875."""
+    4 devices' drafts reach), so at those costs SLED / server-only is 2.5625 / 1.25 = 2.05x. One device's drafts fill
+    at most 9 tokens a step: there the best is 8 tokens at 1.5 ms, and the ratio 2.5625 / 1.875."""
     base = {"server_step_tokens": 4.5, "server_committed_per_step": 4.0}
     sled = {"server_step_tokens": 16.5, "server_committed_per_step": 13.2}
-    ceiling, base_ms, sled_ms, best_n = step_cost_ceiling(COSTS, sled, base, devices=4)
+    at_cost, base_ms, sled_ms, best_n = step_cost_ratio(COSTS, sled, base, devices=4)
     assert (base_ms, sled_ms, best_n) == (pytest.approx(2.5625), pytest.approx(1.0), 16)
-    assert ceiling == pytest.approx(2.05)
-    ceiling, _, sled_ms, best_n = step_cost_ceiling(COSTS, sled, base, devices=1)
+    assert at_cost == pytest.approx(2.05)
+    at_cost, _, sled_ms, best_n = step_cost_ratio(COSTS, sled, base, devices=1)
     assert (sled_ms, best_n) == (pytest.approx(1.5), 8)
-    assert ceiling == pytest.approx(2.5625 / 1.875)
+    assert at_cost == pytest.approx(2.5625 / 1.875)
 
 
-def test_the_report_gives_the_ceiling_for_each_timing_of_the_steps_alone():
+def test_the_report_gives_the_ratio_at_cost_alone_for_each_timing_of_the_steps_alone():
     rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
     rows += [device_only(4), device_only(16)]
     for r in rows:
         if r["mode"] in ("sled", "server-only"):
             r["server_step_tokens"], r["server_committed_per_step"] = ((16.5, 13.2) if r["mode"] == "sled"
                                                                        else (4.5, 4.0))
-    slower = {n: 2 * c for n, c in COSTS.items()}  # everything twice as slow: the same ceiling at 4 devices
+    slower = {n: 2 * c for n, c in COSTS.items()}  # everything twice as slow: the same ratio at 4 devices
     t = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0,
                       costs=[("before the runs", COSTS), ("after them", slower)])
     assert "(ms at n tokens; before the runs: 1 10.0, 4 10.0, 8 12.0, 16 16.0, 32 32.0; after them: 1 20.0, " in t["alone"]
-    assert ("4 devices: server-only 4.5 tokens a step, 4.0 committed; SLED 1.25 forwarded per committed; ceiling "
+    assert ("4 devices: server-only 4.5 tokens a step, 4.0 committed; SLED 1.25 forwarded per committed; at the cost alone "
             "before the runs 2.05x (server-only 2.56 ms per committed token; SLED 1.00 ms per forwarded token at 16), "
             "after them 2.05x (server-only 5.12 ms per committed token; SLED 2.00 ms per forwarded token at 16); "
             "measured 1.50x; 16 devices: ") in t["alone"]

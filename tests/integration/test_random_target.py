@@ -281,11 +281,11 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
     assert ("SLED / server-only ≤ device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
             "(r·s ≥ 1: the drafters' own rate is the bound): 1 devices ") in text
-    # the ceiling at the steps' cost alone, timed through the server before and after the runs
+    # SLED / server-only at the steps' cost alone, timed through the server before and after the runs
     assert re.search(r"- the steps' cost alone: the server's step time with nothing else running, timed through it "
                      r"\(ms at n tokens; before the runs: 1 [\d.]+, .*; after them: 1 [\d.]+, .*\); .*: 1 devices: "
                      r"server-only [\d.]+ tokens a step, [\d.]+ committed; SLED [\d.]+ forwarded per committed; "
-                     r"ceiling before the runs [\d.]+x .*, after them [\d.]+x .*; measured [\d.]+x\n", text)
+                     r"at the cost alone before the runs [\d.]+x .*, after them [\d.]+x .*; measured [\d.]+x\n", text)
     # the verdict, pass by pass (one repeat: one pass)
     assert re.search(r"- 1 devices: adaptive .* tok/s vs best fixed K=\d .*; pass by pass [\d.]+x, median [\d.]+x\n", text)
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
