@@ -476,8 +476,9 @@ def step_cost_ratio(costs: dict[int, float], sled: dict, base: dict, devices: in
     fit = {n: c for n, c in costs.items() if n <= devices * (K_MAX + 1)} or costs
     best_n = min(fit, key=lambda n: fit[n] / n)
     per_forwarded = fit[best_n] / best_n
-    base_per_token = interpolate_cost(costs, base["server_step_tokens"]) / base["server_committed_per_step"]
-    forwarded = sled["server_step_tokens"] / sled["server_committed_per_step"]
+    # ratio(): a run that committed nothing (starved) gives nan, shown as such, as in the tables
+    base_per_token = ratio(interpolate_cost(costs, base["server_step_tokens"]), base["server_committed_per_step"])
+    forwarded = ratio(sled["server_step_tokens"], sled["server_committed_per_step"])
     return ratio(base_per_token, forwarded * per_forwarded), base_per_token, per_forwarded, best_n
 
 
@@ -622,7 +623,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                             f"{sled_ms:.2f} ms per forwarded token at {best_n})")
             parts.append(f"{n} devices: server-only {base['server_step_tokens']:.1f} tokens a step, "
                          f"{base['server_committed_per_step']:.1f} committed; SLED "
-                         f"{sled['server_step_tokens'] / sled['server_committed_per_step']:.2f} forwarded per "
+                         f"{ratio(sled['server_step_tokens'], sled['server_committed_per_step']):.2f} forwarded per "
                          f"committed; at the cost alone " + ", ".join(each) + f"; measured {got:.2f}x")
         timed = "; ".join(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()) for label, c in costs)
         alone = ("- the steps' cost alone: the server's step time with nothing else running, timed through it (ms at "

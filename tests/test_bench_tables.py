@@ -209,6 +209,10 @@ def test_the_ratio_at_the_steps_cost_alone():
     at_cost, _, sled_ms, best_n = step_cost_ratio(COSTS, sled, base, devices=1)
     assert (sled_ms, best_n) == (pytest.approx(1.5), 8)
     assert at_cost == pytest.approx(2.5625 / 1.875)
+    # a starved run (nothing committed in its window) gives nan, as the tables show it, and raises nothing
+    starved = {"server_step_tokens": 0.0, "server_committed_per_step": 0.0}
+    assert math.isnan(step_cost_ratio(COSTS, starved, base, devices=4)[0])
+    assert math.isnan(step_cost_ratio(COSTS, sled, starved, devices=4)[0])
 
 
 def test_the_report_gives_the_ratio_at_cost_alone_for_each_timing_of_the_steps_alone():
