@@ -341,8 +341,9 @@ SLED_BLOCK(8)
  * to 32 tokens, 0.89x at 48, 1.01-1.04x at 1 to 4 (the same code there).
  * SLED_PREFETCH_SPREAD=0 builds the first-block form, for such a comparison.
  * The M rows run as ceil(M / MR) blocks (ceil(M / MR_MANY) past two, below) of nearly equal height (13 rows at
- * MR 6: 5 + 4 + 4), not MR rows a block with the rest in the last (6 + 6 + 1): each block prefetches an equal share of the next panel, and a short last
- * block asked for its share within a few steps, stalled on memory, and ran its one or two rows load-bound.
+ * MR 6: 5 + 4 + 4), not MR rows a block with the rest in the last (6 + 6 + 1): each block prefetches an equal
+ * share of the next panel, and a short last block asked for its share within a few steps, stalled on memory,
+ * and ran its one or two rows load-bound.
  * Measured on an AVX-512 EPYC (family 25 model 17), 2 threads, the whole step of the real model (both builds in
  * one process, interleaved, medians of 5 rounds, the same logits bit for bit): 0.73-0.85x the time at 7 to 9
  * tokens, 0.84-0.87x at 13 and 14, 0.86-0.92x at 19 and 20; 0.96-1.02x at 10, 11, 16, 17, 24 and 32 and where

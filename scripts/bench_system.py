@@ -17,6 +17,9 @@
    and so does the adaptive K without drafting ahead (`sled-no-ahead` in the JSON: each device waits for its
    verdict before drafting on). Each device drafts on its own thread, as on its own hardware.
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
+5. The server's steps alone, before and after the runs: a few sessions' drafts of together 1 token up to the most
+   the devices can send, in one step with nothing else running; and SLED / server-only if every step cost that
+   (server-only at its steps' size, SLED at its best), an estimate beside the measured ratio.
 
 GPU capacity runs (`--target random:llama-1b`): the target is a Llama of that shape with random weights, whose text
 the real drafter cannot predict. Drafts are then synthesized from the target's own greedy output instead: each
@@ -54,8 +57,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edge_client.adaptive import AdaptiveDraftLength  # noqa: E402
 from edge_client import codec  # noqa: E402
+from edge_client.adaptive import AdaptiveDraftLength  # noqa: E402
 from edge_client.cli import describe_kernels  # noqa: E402
 from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
@@ -632,7 +635,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                  "committed one (prefill, the token before each draft, rejected drafts), at least F × min c(n) / n "
                  "over the sizes its devices can fill; their quotient is SLED / server-only with every step at its "
                  "cost alone and SLED's at its best size, an estimate, not a bound (the timings have a few sessions "
-                 "a step; a step of many one-token sessions, server-only's at many devices, costs more): " + "; ".join(parts) + "\n")
+                 "a step; a step of many one-token sessions, server-only's at many devices, costs more): "
+                 + "; ".join(parts) + "\n")
     overhead = ""
     if sixteen:
         s = sixteen[0]
