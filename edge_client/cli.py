@@ -56,8 +56,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the model's chat template")
     p.add_argument("--threads", type=int, help="llama.cpp threads (default: llama.cpp's choice)")
     p.add_argument("--gpu-layers", type=int, default=0, help="llama.cpp layers offloaded to a GPU (default 0)")
-    p.add_argument("--flash-attn", action="store_true",
-                   help="llama.cpp flash attention: faster drafting, slightly different drafter logits (default off)")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True,
+                   help="llama.cpp flash attention: faster drafting, slightly different drafter logits (default on)")
     p.add_argument("--auth-token", help="bearer token the server requires, if any")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], default="wait",
                    help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
@@ -93,7 +93,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
     p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
-                   help="llama.cpp flash attention (default off)")
+                   help="llama.cpp flash attention (default on)")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
     p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="port of the local API, 0 picks a free one (default 8080)")

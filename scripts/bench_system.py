@@ -873,7 +873,8 @@ def main() -> int:
                        f"output, each drafted position right with probability {args.draft_match:.3f}"
                        + (f" ({match_source})" if match_source else "") + ", ")
     else:
-        target_line = ("- target: SmolLM2-135M-Instruct float32 on CPU; drafts: llama.cpp Q4_1's greedy proposals, "
+        target_line = ("- target: SmolLM2-135M-Instruct float32 on CPU; drafts: llama.cpp Q4_1's greedy proposals "
+                       f"(flash attention {'on' if DrafterOptions().flash_attn else 'off'}, the device's default), "
                        "recorded and ")
     section = (
         f"{heading}: SLED vs server-only vs device-only\n\n"

@@ -17,7 +17,7 @@ class DrafterOptions:
     onnx_model: str | None = None  # .onnx for the onnx drafter
     threads: int | None = None
     gpu_layers: int = 0
-    flash_attn: bool = False  # llama.cpp's flash attention
+    flash_attn: bool = True  # llama.cpp's flash attention (EdgeConfig.flash_attn says why on)
     context_size: int = 4096
     top_k_cap: int = 16  # the sparse q carries at most this many tokens per position
     ngram_max: int = 4

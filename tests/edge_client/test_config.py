@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from edge_client.config import EdgeConfig, load_edge_config
+from edge_client.drafters.base import DrafterOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,10 +25,24 @@ def test_flags_override_yaml(tmp_path):
     f.write_text("device:\n  server: a:1\n  drafter: ngram\n  http_port: 9000\n")
     cfg = load_edge_config(f, drafter="cacheback", http_port=None)
     assert (cfg.server, cfg.drafter, cfg.http_port) == ("a:1", "cacheback", 9000)
-    f.write_text("flash_attn: true\n")
-    assert load_edge_config(f).flash_attn and not load_edge_config(f, flash_attn=False).flash_attn
-    assert not EdgeConfig().flash_attn
+    f.write_text("flash_attn: false\n")
+    assert not load_edge_config(f).flash_attn and load_edge_config(f, flash_attn=True).flash_attn
+    assert EdgeConfig().flash_attn and DrafterOptions().flash_attn  # on by default, as llama.cpp's own 'auto'
 
+
+
+def test_flash_attention_is_on_unless_turned_off(tmp_path):
+    from edge_client.cli import build_parser, serve_config
+
+    parse = build_parser().parse_args
+    assert parse(["generate", "hi"]).flash_attn is True
+    assert parse(["generate", "hi", "--no-flash-attn"]).flash_attn is False
+    assert serve_config(parse(["serve"])).flash_attn is True
+    assert serve_config(parse(["serve", "--no-flash-attn"])).flash_attn is False
+    off = tmp_path / "off.yaml"
+    off.write_text("flash_attn: false\n")
+    assert serve_config(parse(["serve", "--config", str(off)])).flash_attn is False
+    assert serve_config(parse(["serve", "--config", str(off), "--flash-attn"])).flash_attn is True
 
 @pytest.mark.parametrize("text,needle", [
     ("drafter: gpt\n", "drafter must be one of"),
