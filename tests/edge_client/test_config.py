@@ -30,7 +30,6 @@ def test_flags_override_yaml(tmp_path):
     assert EdgeConfig().flash_attn and DrafterOptions().flash_attn  # on by default, as llama.cpp's own 'auto'
 
 
-
 def test_flash_attention_is_on_unless_turned_off(tmp_path):
     from edge_client.cli import build_parser, serve_config
 
@@ -43,6 +42,7 @@ def test_flash_attention_is_on_unless_turned_off(tmp_path):
     off.write_text("flash_attn: false\n")
     assert serve_config(parse(["serve", "--config", str(off)])).flash_attn is False
     assert serve_config(parse(["serve", "--config", str(off), "--flash-attn"])).flash_attn is True
+
 
 @pytest.mark.parametrize("text,needle", [
     ("drafter: gpt\n", "drafter must be one of"),
