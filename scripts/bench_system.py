@@ -249,6 +249,7 @@ class Window:
     after: object
     opened_s: float = 0.0
     stolen: float | None = None  # the share of the host's CPU time the hypervisor took during the window
+    devices_cpu: float = 0.0  # CPU time this process (the replayed devices and their gRPC) used in it, in cores
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -300,18 +301,20 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             await asyncio.sleep(0.01)
         before = (await client.info()).stats
         ticks = cpu_counters()
+        cpu = time.process_time()
         start = time.perf_counter()
         end = start + seconds
         await asyncio.sleep(seconds)
-        return before, (await client.info()).stats, start - t0, stolen_share(ticks, cpu_counters())
+        used = time.process_time() - cpu
+        return before, (await client.info()).stats, start - t0, stolen_share(ticks, cpu_counters()), used / seconds
 
     try:
         done = await asyncio.gather(window(), *[device(d) for d in range(n)])
     finally:
         await client.close()
-    before, after, opened_s, stolen = done[0]
+    before, after, opened_s, stolen, devices_cpu = done[0]
     return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s,
-                  stolen)
+                  stolen, devices_cpu)
 
 
 def summarize(mode, n, w: Window):
@@ -342,6 +345,7 @@ def summarize(mode, n, w: Window):
         "server_committed_per_step": (after.emitted_tokens - before.emitted_tokens) / steps if steps else 0.0,
         "window_opened_s": w.opened_s,
         "host_cpu_stolen_share": w.stolen,
+        "devices_cpu_cores": w.devices_cpu,
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
         "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
     }
@@ -645,7 +649,22 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
     return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
             "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
-            "stolen": stolen_line(rows + adaptive_rows + waiting_rows)}
+            "stolen": stolen_line(rows + adaptive_rows + waiting_rows), "devices_cpu": devices_cpu_line(counts, by)}
+
+
+def devices_cpu_line(counts: list[int], by: dict) -> str:
+    """A line on the CPU the replayed devices took from this host during the reported (median) runs, or '' where the
+    rows have none: what of the devices' side still runs on the server's cores (their asyncio loop, replay and gRPC
+    client; a real device's runs on its own)."""
+    parts = [f"{n} devices sled {by[('sled', n)]['devices_cpu_cores']:.2f}, server-only "
+             f"{by[('server-only', n)]['devices_cpu_cores']:.2f}" for n in counts
+             if by[("sled", n)].get("devices_cpu_cores") is not None
+             and by[("server-only", n)].get("devices_cpu_cores") is not None]
+    if not parts:
+        return ""
+    return ("- CPU the replayed devices took on this host during the reported runs (the benchmark's own process: "
+            "their asyncio loop, replay and gRPC client, which on real devices run on the devices), in cores of the "
+            f"host's {os.cpu_count()}: " + "; ".join(parts) + "\n")
 
 
 def stolen_line(rows: list[dict]) -> str:
@@ -909,7 +928,7 @@ def main() -> int:
         + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
         "below likewise give adaptive / the best fixed K of each pass)\n"
-        + stolen + "\n"
+        + stolen + t["devices_cpu"] + "\n"
         + "\n".join(lines) + "\n\n" + bound + server_side + t["alone"] + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "

@@ -231,3 +231,19 @@ def test_the_report_gives_the_ratio_at_cost_alone_for_each_timing_of_the_steps_a
             "after them 2.05x (server-only 5.12 ms per committed token; SLED 2.00 ms per forwarded token at 16); "
             "measured 1.50x; 16 devices: ") in t["alone"]
     assert report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)["alone"] == ""
+
+
+def test_the_devices_cpu_line_gives_each_count_s_reported_runs():
+    runs = synthetic_runs()
+    for (n, mode), done in runs.items():
+        for r in done:  # the median runs are repeat 0; other repeats carry figures that must not show
+            r["devices_cpu_cores"] = (0.12 if mode == "adaptive" else 0.08 if mode == "server-only" else 0.5) \
+                if r["repeat"] == 0 else 0.9
+    rows, adaptive_rows, waiting_rows = pick_medians(runs)
+    rows += [device_only(4), device_only(16)]
+    line = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)["devices_cpu"]
+    assert line.startswith("- CPU the replayed devices took on this host during the reported runs")
+    assert line.endswith(": 4 devices sled 0.12, server-only 0.08; 16 devices sled 0.12, server-only 0.08\n")
+    for r in rows:
+        r.pop("devices_cpu_cores", None)  # rows from before the field: no line
+    assert report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)["devices_cpu"] == ""
