@@ -249,7 +249,7 @@ class Window:
     after: object
     opened_s: float = 0.0
     stolen: float | None = None  # the share of the host's CPU time the hypervisor took during the window
-    devices_cpu: float = 0.0  # CPU time this process (the replayed devices and their gRPC) used in it, in cores
+    devices_cpu: float | None = None  # CPU time this process (the replayed devices, their gRPC) used in it, in cores
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -656,10 +656,11 @@ def devices_cpu_line(counts: list[int], by: dict) -> str:
     """A line on the CPU the replayed devices took from this host during the reported (median) runs, or '' where the
     rows have none: what of the devices' side still runs on the server's cores (their asyncio loop, replay and gRPC
     client; a real device's runs on its own)."""
-    parts = [f"{n} devices sled {by[('sled', n)]['devices_cpu_cores']:.2f}, server-only "
-             f"{by[('server-only', n)]['devices_cpu_cores']:.2f}" for n in counts
-             if by[("sled", n)].get("devices_cpu_cores") is not None
-             and by[("server-only", n)].get("devices_cpu_cores") is not None]
+    parts = []
+    for n in counts:
+        sled, base = by[("sled", n)].get("devices_cpu_cores"), by[("server-only", n)].get("devices_cpu_cores")
+        if sled is not None and base is not None:
+            parts.append(f"{n} devices sled {sled:.2f}, server-only {base:.2f}")
     if not parts:
         return ""
     return ("- CPU the replayed devices took on this host during the reported runs (the benchmark's own process: "
