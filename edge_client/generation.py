@@ -66,6 +66,8 @@ class GenerationResult:
     reconnects: int = 0
     round_times: list[float] = field(default_factory=list)  # seconds per round (draft + verify)
     round_tokens: list[int] = field(default_factory=list)  # tokens committed per round
+    # per verified round, the server's step that verified it as its verdict says: (tokens, ms, sessions)
+    round_steps: list[tuple[int, float, int]] = field(default_factory=list)
     elapsed_s: float = 0.0
     finish_reason: str | None = None
     drafter: str = ""
@@ -319,6 +321,7 @@ class _Generation:
             r.accepted_tokens += verdict.n_accepted
             r.round_times.append(now - t_round)
             r.round_tokens.append(len(committed))
+            r.round_steps.append((verdict.step_tokens, verdict.step_ms, verdict.step_sessions))
             # Drafted ahead on the guess that the server accepts everything and its bonus token is the
             # drafter's own next one: when it is, the rest continues the new context exactly.
             if (len(ahead.token_ids) > 1 and verdict.n_accepted == len(proposal.token_ids)

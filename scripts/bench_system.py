@@ -19,7 +19,10 @@
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
 5. The server's steps alone, before and after the runs: a few sessions' drafts of together 1 token up to the most
    the devices can send, in one step with nothing else running; and SLED / server-only if every step cost that
-   (server-only at its steps' size, SLED at its best), an estimate beside the measured ratio.
+   (server-only at its steps' size, SLED at its best), an estimate beside the measured ratio. Then where each
+   mode's steps under load part from those costs, from the verdicts of the rounds counted (each gives its step's
+   tokens, time and sessions): the load (their time over what steps of their sizes cost alone) and the spread
+   (what steps of their sizes cost alone over as many steps of their mean size).
 
 GPU capacity runs (`--target random:llama-1b`): the target is a Llama of that shape with random weights, whose text
 the real drafter cannot predict. Drafts are then synthesized from the target's own greedy output instead: each
@@ -48,7 +51,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -250,6 +253,8 @@ class Window:
     opened_s: float = 0.0
     stolen: float | None = None  # the share of the host's CPU time the hypervisor took during the window
     devices_cpu: float | None = None  # CPU time this process (the replayed devices, their gRPC) used in it, in cores
+    # the server's steps that verified the rounds committed in it, as their verdicts said: (tokens, ms, sessions)
+    steps: list[tuple[int, float, int]] = field(default_factory=list)
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -280,7 +285,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     first_commit = [False] * n  # written from the drafting threads; read by window()
 
     async def device(d):
-        rounds, results, j = [], [], 0
+        rounds, results, steps, j = [], [], [], 0
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
         while time.perf_counter() < end:
@@ -289,10 +294,12 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             r = await generate(client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
                                adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
                                controller=controller, should_stop=lambda: time.perf_counter() >= end)
-            rounds += [x for x in zip(drafter.commits, r.round_tokens, r.round_times) if start <= x[0] < end]
+            inside = [start <= t < end for t in drafter.commits]
+            rounds += [x for x, keep in zip(zip(drafter.commits, r.round_tokens, r.round_times), inside) if keep]
+            steps += [x for x, keep in zip(r.round_steps, inside) if keep]
             results.append(r)
             j += 1
-        return rounds, results
+        return rounds, results, steps
 
     async def window():
         nonlocal start, end
@@ -314,7 +321,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         await client.close()
     before, after, opened_s, stolen, devices_cpu = done[0]
     return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s,
-                  stolen, devices_cpu)
+                  stolen, devices_cpu, [x for d in done[1:] for x in d[2]])
 
 
 def summarize(mode, n, w: Window):
@@ -348,7 +355,36 @@ def summarize(mode, n, w: Window):
         "devices_cpu_cores": w.devices_cpu,
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
         "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
+        "server_step_sizes": step_sizes(w.steps),
     }
+
+
+def step_sizes(steps: list[tuple[int, float, int]]) -> list[list[float]]:
+    """The steps that verified a window's rounds, by size: [tokens, steps, mean ms] per step size, from each round's
+    verdict (tokens, ms, sessions). A step of s sessions is reported to each of them, so each report counts 1 / s
+    of a step (a step whose other sessions' rounds fell outside the window counts in part). Steps that only
+    prefilled are not reported to any device and are not in it."""
+    by: dict[int, list[float]] = {}
+    for tokens, ms, sessions in steps:
+        share = 1.0 / max(sessions, 1)
+        entry = by.setdefault(int(tokens), [0.0, 0.0])
+        entry[0] += share
+        entry[1] += share * ms
+    return [[n, w, total / w] for n, (w, total) in sorted(by.items())]
+
+
+def load_and_spread(costs: dict[int, float], sizes: list[list[float]]) -> tuple[float, float, float]:
+    """How a run's steps (step_sizes) compare with `costs` (step_costs_alone): (the load: their time over what steps
+    of their sizes cost alone; the spread: what steps of their sizes cost alone over as many steps of their mean
+    size; their mean size). A step costs nearly as much at a few tokens as at 10 (reading the weights), so steps of
+    unequal sizes cost more than as many of their mean size. nan without steps."""
+    weight = sum(w for _, w, _ in sizes)
+    if not weight:
+        return float("nan"), float("nan"), float("nan")
+    took = sum(w * ms for _, w, ms in sizes)
+    alone = sum(w * interpolate_cost(costs, n) for n, w, _ in sizes)
+    mean = sum(w * n for n, w, _ in sizes) / weight
+    return ratio(took, alone), ratio(alone, weight * interpolate_cost(costs, mean)), mean
 
 
 def plot(rows, out_dir: Path) -> list[Path]:
@@ -641,6 +677,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                  "cost alone and SLED's at its best size, an estimate, not a bound (the timings have a few sessions "
                  "a step; a step of many one-token sessions, server-only's at many devices, costs more): "
                  + "; ".join(parts) + "\n")
+        alone += load_line(counts, by, costs)
     overhead = ""
     if sixteen:
         s = sixteen[0]
@@ -650,6 +687,31 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
     return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
             "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
             "stolen": stolen_line(rows + adaptive_rows + waiting_rows), "devices_cpu": devices_cpu_line(counts, by)}
+
+
+def load_line(counts: list[int], by: dict, costs: list[tuple[str, dict[int, float]]]) -> str:
+    """Where the reported runs' steps part from the steps' cost alone (load_and_spread), per count and mode, for
+    each of `costs`; empty for rows from before the step sizes were recorded."""
+    parts = []
+    for n in counts:
+        each = []
+        for mode in ("sled", "server-only"):
+            sizes = by[(mode, n)].get("server_step_sizes")
+            if not sizes:
+                continue
+            figures = []
+            for label, c in costs:
+                load, spread, mean = load_and_spread(c, sizes)
+                figures.append(f"{load:.2f}x and {spread:.2f}x {label}")
+            each.append(f"{mode} (steps of {mean:.1f} tokens) " + ", ".join(figures))
+        if each:
+            parts.append(f"{n} devices: " + "; ".join(each))
+    if not parts:
+        return ""
+    return ("- the steps under load against the steps' cost alone, from the verdicts of the rounds counted (the steps "
+            "that verified a draft, a step of s sessions counted 1/s in each): the load, their time over what steps of "
+            "their sizes cost alone, and the spread, what steps of their sizes cost alone over as many steps of their "
+            "mean size (a step of a few tokens costs nearly what one of 10 does): " + "; ".join(parts) + "\n")
 
 
 def devices_cpu_line(counts: list[int], by: dict) -> str:

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from scripts.bench_system import (drafting_bound, interpolate_cost, pick_medians, report_tables, server_rate,
-                                  step_cost_ratio)
+from scripts.bench_system import (drafting_bound, interpolate_cost, load_and_spread, pick_medians, report_tables,
+                                  server_rate, step_cost_ratio, step_sizes)
 
 
 def run(mode, n, rep, tok_s, p95=50.0, k=None, **extra):
@@ -247,3 +247,46 @@ def test_the_devices_cpu_line_gives_each_count_s_reported_runs():
     for r in rows:
         r.pop("devices_cpu_cores", None)  # rows from before the field: no line
     assert report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)["devices_cpu"] == ""
+
+
+def test_step_sizes_count_a_step_once_over_the_verdicts_of_its_sessions():
+    """Each verdict reports its step's (tokens, ms, sessions): two sessions' verdicts of one 16-token step make one
+    step, and a third verdict of a 16-token step whose other session's round fell outside the window half of one."""
+    steps = [(16, 30.0, 2), (16, 30.0, 2), (4, 20.0, 1), (4, 22.0, 1), (16, 34.0, 2)]
+    assert step_sizes(steps) == [[4, 2.0, 21.0], [16, 1.5, pytest.approx(94 / 3)]]
+    assert step_sizes([]) == []
+
+
+def test_load_and_spread_part_a_run_s_steps_from_their_cost_alone():
+    """With COSTS, one step of 1 token and one of 16 cost 10 + 16 = 26 ms alone; two steps of their mean size, 8.5
+    tokens, 2 x 12.25 = 24.5: the spread 26 / 24.5. Taking 15 and 24 ms under load, 39 ms: the load 39 / 26."""
+    load, spread, mean = load_and_spread(COSTS, [[1, 1.0, 15.0], [16, 1.0, 24.0]])
+    assert (load, spread, mean) == (pytest.approx(1.5), pytest.approx(26 / 24.5), pytest.approx(8.5))
+    load, spread, mean = load_and_spread(COSTS, [[4, 3.0, 10.0]])  # one size, at its cost alone
+    assert (load, spread, mean) == (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(4.0))
+    assert all(math.isnan(x) for x in load_and_spread(COSTS, []))
+
+
+def test_the_report_gives_each_mode_s_load_and_spread_for_each_timing_of_the_steps_alone():
+    runs = synthetic_runs()
+    for (n, mode), done in runs.items():
+        for r in done:  # the median runs are repeat 0; the others carry sizes that must not show
+            sizes = [[1, 1.0, 15.0], [16, 1.0, 24.0]] if mode == "adaptive" else [[4, 3.0, 10.0]]
+            r["server_step_sizes"] = sizes if r["repeat"] == 0 else [[32, 1.0, 99.0]]
+            r["server_step_tokens"], r["server_committed_per_step"] = 4.5, 4.0
+    rows, adaptive_rows, waiting_rows = pick_medians(runs)
+    rows += [device_only(4), device_only(16)]
+    slower = {n: 2 * c for n, c in COSTS.items()}
+    alone = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0,
+                          costs=[("before the runs", COSTS), ("after them", slower)])["alone"]
+    line = alone.splitlines()[-1]
+    assert line.startswith("- the steps under load against the steps' cost alone")
+    assert line.endswith(
+        ": 4 devices: sled (steps of 8.5 tokens) 1.50x and 1.06x before the runs, 0.75x and 1.06x after them; "
+        "server-only (steps of 4.0 tokens) 1.00x and 1.00x before the runs, 0.50x and 1.00x after them; "
+        "16 devices: sled (steps of 8.5 tokens) 1.50x and 1.06x before the runs, 0.75x and 1.06x after them; "
+        "server-only (steps of 4.0 tokens) 1.00x and 1.00x before the runs, 0.50x and 1.00x after them")
+    for r in rows:
+        r.pop("server_step_sizes", None)  # rows from before the field: no such line
+    alone = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0, costs=[("before the runs", COSTS)])
+    assert "the steps under load" not in alone["alone"]

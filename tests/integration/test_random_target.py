@@ -174,6 +174,13 @@ def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server,
     assert row["system_tokens_per_s"] == pytest.approx(inside / 1.0)
     assert row["per_device_tokens_per_s"] == pytest.approx(inside / 2)
     assert w.after.steps > w.before.steps
+    # The step that verified each counted round, as its verdict said: one per round, 2 devices at most a step, and
+    # counted once over its sessions' verdicts, so no more steps than the server ran in the window (its steps that
+    # only prefilled, or whose rounds were committed just outside it, are not among them).
+    assert len(w.steps) == sum(len(dev) for dev in w.rounds)
+    assert all(tokens >= 1 and ms > 0 and 1 <= sessions <= 2 for tokens, ms, sessions in w.steps)
+    seen = sum(weight for _, weight, _ in row["server_step_sizes"])
+    assert 0 < seen <= w.after.steps - w.before.steps
 
 
 def test_the_window_opens_only_once_every_device_has_committed(tiny_server, tokenizer):
@@ -286,6 +293,11 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
                      r"\(ms at n tokens; before the runs: 1 [\d.]+, .*; after them: 1 [\d.]+, .*\); .*: 1 devices: "
                      r"server-only [\d.]+ tokens a step, [\d.]+ committed; SLED [\d.]+ forwarded per committed; "
                      r"at the cost alone before the runs [\d.]+x .*, after them [\d.]+x .*; measured [\d.]+x\n", text)
+    # the steps under load against the steps' cost alone: each mode's load and spread, for both timings
+    assert re.search(r"- the steps under load against the steps' cost alone, .*: 1 devices: sled \(steps of [\d.]+ "
+                     r"tokens\) [\d.]+x and [\d.]+x before the runs, [\d.]+x and [\d.]+x after them; server-only "
+                     r"\(steps of [\d.]+ tokens\) [\d.]+x and [\d.]+x before the runs, [\d.]+x and [\d.]+x after "
+                     r"them\n", text)
     # the verdict, pass by pass (one repeat: one pass)
     assert re.search(r"- 1 devices: adaptive .* tok/s vs best fixed K=\d .*; pass by pass [\d.]+x, median [\d.]+x\n", text)
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
