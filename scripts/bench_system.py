@@ -584,7 +584,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
     (drafting_bound / server-only per count, the most SLED / server-only can be from the devices' side),
     `server_side` (each mode's server_rate per count and their ratio, the most it can be from the server's side at
     the steps measured), `alone` (step_cost_ratio per count for each of `costs`, the server's step times alone
-    measured when each label says; empty without them) and `by` (the rows by (mode, devices))."""
+    measured when each label says, then load_line: each mode's load and spread against them; empty without them)
+    and `by` (the rows by (mode, devices))."""
     sixteen = [r for r in rows if r["mode"] == "sled" and r["devices"] == 16]
     by = {(r["mode"], r["devices"]): r for r in rows}
 
