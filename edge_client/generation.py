@@ -68,6 +68,10 @@ class GenerationResult:
     round_tokens: list[int] = field(default_factory=list)  # tokens committed per round
     # per verified round, the server's step that verified it as its verdict says: (tokens, ms, sessions)
     round_steps: list[tuple[int, float, int]] = field(default_factory=list)
+    # per verified round, how fast the device answered the verdict before it: (ms from that verdict's arrival to this
+    # round's draft going out, ms of it spent finishing the token being drafted ahead when it came); nan for a
+    # session's first round, which answers no verdict
+    round_replies: list[tuple[float, float]] = field(default_factory=list)
     elapsed_s: float = 0.0
     finish_reason: str | None = None
     drafter: str = ""
@@ -164,6 +168,9 @@ class _Generation:
         self.carry: Proposal | None = None  # drafted ahead, continuing the committed context
         self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
         self.verdict_at = 0.0  # when this round's verdict came
+        # the last verdict's arrival and the ms then spent finishing the token being drafted ahead (None: no verdict
+        # in this session yet)
+        self.answering: tuple[float, float] | None = None
 
     async def _propose(self, context: list[int], k: int, stop=None) -> Proposal:
         t0 = time.perf_counter()
@@ -287,18 +294,21 @@ class _Generation:
             proposal, spare = await self.draft(k)
             t_sent = time.perf_counter()
             verify = asyncio.ensure_future(self._verify(r.rounds, proposal))
+            reply = ((float("nan"), float("nan")) if self.answering is None
+                     else ((t_sent - self.answering[0]) * 1000.0, self.answering[1]))
             try:
                 ahead = await self.draft_while(verify, proposal, spare)
             except BaseException:
                 verify.cancel()
                 raise
+            t_ahead = time.perf_counter()
             try:
                 verdict = await verify
             except (VerifyError, asyncio.TimeoutError) as err:
                 if isinstance(err, asyncio.TimeoutError):
                     err = VerifyError("DEADLINE_EXCEEDED", f"no verdict within {self.policy.round_timeout_s:g}s")
                 self.session.cancel()
-                self.session, self.carry = None, None
+                self.session, self.carry, self.answering = None, None, None
                 self.outage(err)
                 self.next_attempt = time.monotonic()  # first try again at once: the server may be back already
                 continue
@@ -322,6 +332,8 @@ class _Generation:
             r.round_times.append(now - t_round)
             r.round_tokens.append(len(committed))
             r.round_steps.append((verdict.step_tokens, verdict.step_ms, verdict.step_sessions))
+            r.round_replies.append(reply)
+            self.answering = (self.verdict_at, max(0.0, t_ahead - self.verdict_at) * 1000.0)
             # Drafted ahead on the guess that the server accepts everything and its bonus token is the
             # drafter's own next one: when it is, the rest continues the new context exactly.
             if (len(ahead.token_ids) > 1 and verdict.n_accepted == len(proposal.token_ids)

@@ -23,6 +23,9 @@
    mode's steps under load part from those costs, from the verdicts of the rounds counted (each gives its step's
    tokens, time and sessions): the load (their time over what steps of their sizes cost alone) and the spread
    (what steps of their sizes cost alone over as many steps of their mean size).
+6. How fast the devices answer each verdict with their next draft (from its arrival to the draft going out, and the
+   part spent finishing a token being drafted ahead when it came), against the server's batching window: a draft
+   that comes later than the window waits a step more.
 
 GPU capacity runs (`--target random:llama-1b`): the target is a Llama of that shape with random weights, whose text
 the real drafter cannot predict. Drafts are then synthesized from the target's own greedy output instead: each
@@ -255,6 +258,9 @@ class Window:
     devices_cpu: float | None = None  # CPU time this process (the replayed devices, their gRPC) used in it, in cores
     # the server's steps that verified the rounds committed in it, as their verdicts said: (tokens, ms, sessions)
     steps: list[tuple[int, float, int]] = field(default_factory=list)
+    # the devices' replies to the verdict before each of those rounds, as generate() timed them: (ms, ms of it
+    # finishing the token being drafted ahead); nan for a session's first round
+    replies: list[tuple[float, float]] = field(default_factory=list)
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -285,7 +291,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     first_commit = [False] * n  # written from the drafting threads; read by window()
 
     async def device(d):
-        rounds, results, steps, j = [], [], [], 0
+        rounds, results, steps, replies, j = [], [], [], [], 0
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
         while time.perf_counter() < end:
@@ -297,9 +303,10 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             inside = [start <= t < end for t in drafter.commits]
             rounds += [x for x, keep in zip(zip(drafter.commits, r.round_tokens, r.round_times), inside) if keep]
             steps += [x for x, keep in zip(r.round_steps, inside) if keep]
+            replies += [x for x, keep in zip(r.round_replies, inside) if keep]
             results.append(r)
             j += 1
-        return rounds, results, steps
+        return rounds, results, steps, replies
 
     async def window():
         nonlocal start, end
@@ -321,7 +328,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         await client.close()
     before, after, opened_s, stolen, devices_cpu = done[0]
     return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s,
-                  stolen, devices_cpu, [x for d in done[1:] for x in d[2]])
+                  stolen, devices_cpu, [x for d in done[1:] for x in d[2]], [x for d in done[1:] for x in d[3]])
 
 
 def summarize(mode, n, w: Window):
@@ -356,7 +363,19 @@ def summarize(mode, n, w: Window):
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
         "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
         "server_step_sizes": step_sizes(w.steps),
+        **reply_figures(w.replies),
     }
+
+
+def reply_figures(replies: list[tuple[float, float]]) -> dict:
+    """The devices' replies to verdicts (Window.replies) as row fields: the median and 90th percentile of the time
+    from a verdict's arrival to the next draft going out, and of the part spent finishing the token being drafted
+    ahead when it came; None without replies (every counted round was a session's first)."""
+    timed = np.array([x for x in replies if not np.isnan(x[0])], dtype=float).reshape(-1, 2)
+    if not len(timed):
+        return {"device_reply_ms": None, "device_reply_drafting_ms": None}
+    return {"device_reply_ms": [float(np.percentile(timed[:, 0], q)) for q in (50, 90)],
+            "device_reply_drafting_ms": [float(np.percentile(timed[:, 1], q)) for q in (50, 90)]}
 
 
 def step_sizes(steps: list[tuple[int, float, int]]) -> list[list[float]]:
@@ -731,6 +750,29 @@ def devices_cpu_line(counts: list[int], by: dict) -> str:
             f"host's {os.cpu_count()}: " + "; ".join(parts) + "\n")
 
 
+def reply_line(counts: list[int], by: dict, max_wait_ms: float) -> str:
+    """A line on how fast the devices answered each verdict with their next draft in the reported (median) runs of sled
+    and server-only, against the server's batching window, or '' where the rows have no such figures. A draft that
+    reaches the server within the window after a step joins the next step; one that comes later waits a step more,
+    and at a busy server the devices can fall into two groups that take turns, each step holding about half of them
+    (SLED's 'batch' column at 4 devices here, and at 32 on the H100)."""
+    parts = []
+    for n in counts:
+        cells = []
+        for mode in ("sled", "server-only"):
+            reply, drafting = by[(mode, n)].get("device_reply_ms"), by[(mode, n)].get("device_reply_drafting_ms")
+            if reply is not None and drafting is not None:
+                cells.append(f"{mode} {reply[0]:.1f} / {reply[1]:.1f} ({drafting[0]:.1f} / {drafting[1]:.1f})")
+        if cells:
+            parts.append(f"{n} devices " + ", ".join(cells))
+    if not parts:
+        return ""
+    return ("- the devices' replies to verdicts: from a verdict's arrival to the next draft going out, median / 90th "
+            "percentile ms, and in brackets the part spent finishing the token being drafted ahead when it came (where "
+            "the tokens drafted ahead are fewer than the next draft, the rest is drafted after that too); the server's batching window was "
+            f"{max_wait_ms:g} ms: " + "; ".join(parts) + "\n")
+
+
 def stolen_line(rows: list[dict]) -> str:
     """A line on the host CPU time the hypervisor took during the windows (steal), over every run of every
     configuration: the median and the highest run, or '' where /proc/stat gave none."""
@@ -992,7 +1034,7 @@ def main() -> int:
         + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
         "below likewise give adaptive / the best fixed K of each pass)\n"
-        + stolen + t["devices_cpu"] + "\n"
+        + stolen + t["devices_cpu"] + reply_line(counts, by, args.max_wait_ms) + "\n"
         + "\n".join(lines) + "\n\n" + bound + server_side + t["alone"] + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "

@@ -290,3 +290,38 @@ def test_the_report_gives_each_mode_s_load_and_spread_for_each_timing_of_the_ste
         r.pop("server_step_sizes", None)  # rows from before the field: no such line
     alone = report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0, costs=[("before the runs", COSTS)])
     assert "the steps under load" not in alone["alone"]
+
+
+def test_reply_figures_take_the_median_and_90th_percentile_of_the_answered_verdicts():
+    from scripts.bench_system import reply_figures
+
+    nan = float("nan")
+    replies = [(nan, nan)] + [(float(ms), float(ms) / 2) for ms in range(1, 11)]  # a first round answers nothing
+    got = reply_figures(replies)
+    assert got["device_reply_ms"] == pytest.approx([5.5, 9.1])
+    assert got["device_reply_drafting_ms"] == pytest.approx([2.75, 4.55])
+    assert reply_figures([(nan, nan)]) == {"device_reply_ms": None, "device_reply_drafting_ms": None}
+    assert reply_figures([]) == {"device_reply_ms": None, "device_reply_drafting_ms": None}
+
+
+def test_the_reply_line_gives_each_count_s_reported_runs_against_the_batching_window():
+    from scripts.bench_system import reply_line
+
+    runs = synthetic_runs()
+    for (n, mode), done in runs.items():
+        for r in done:  # the median runs are repeat 0; other repeats carry figures that must not show
+            median = r["repeat"] == 0
+            r["device_reply_ms"] = [4.0, 9.0] if median and mode == "adaptive" else [0.5, 1.5] if median else [99, 99]
+            r["device_reply_drafting_ms"] = [3.0, 8.0] if median and mode == "adaptive" else [0.0, 0.0]
+    rows, adaptive_rows, waiting_rows = pick_medians(runs)
+    by = report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
+                       slo_ms=150.0)["by"]
+    line = reply_line([4, 16], by, 3.0)
+    assert "the server's batching window was 3 ms: " in line
+    assert line.endswith(": 4 devices sled 4.0 / 9.0 (3.0 / 8.0), server-only 0.5 / 1.5 (0.0 / 0.0); "
+                         "16 devices sled 4.0 / 9.0 (3.0 / 8.0), server-only 0.5 / 1.5 (0.0 / 0.0)\n")
+    for r in rows:
+        r.pop("device_reply_ms", None)  # rows from before the field: no line
+    by = report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
+                       slo_ms=150.0)["by"]
+    assert reply_line([4, 16], by, 3.0) == ""

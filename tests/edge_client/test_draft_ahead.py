@@ -11,6 +11,7 @@ context that did not happen, fail that check exactly, where the statistics would
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -363,3 +364,32 @@ def test_a_carried_spare_keeps_seeded_text_and_each_tokens_q():
     waiting, _ = asyncio.run(main(False))
     assert [t for t, _ in ahead] == [t for t, _ in waiting]
     assert sum(n for _, n in ahead) > 100  # drafts went out from carries
+
+
+def test_each_round_times_the_reply_to_the_verdict_before_it():
+    """round_replies: per verified round, the ms from the previous verdict's arrival to this draft going out, and the
+    part of it spent finishing the token being drafted ahead when that verdict came (nan for a session's first
+    round). A drafter taking 20 ms a token against a server answering in 3 ms: the verdict always comes during the
+    first token drafted ahead, so the device finishes it first, about 17 ms; waiting instead of drafting ahead, it
+    finishes nothing."""
+    class Slow(TableDrafter):
+        def _eval(self, tokens):
+            time.sleep(0.02 * len(tokens))
+            return super()._eval(tokens)
+
+    async def main(ahead):
+        return await generate(FakeClient(0, 0.003, max_tokens=16, target=P_GREEDY), Slow(Q_GREEDY), TOKENIZER, PROMPT,
+                              max_tokens=16, draft_tokens=2, adaptive=False, draft_ahead=ahead)
+
+    for ahead in (True, False):
+        result = asyncio.run(main(ahead))
+        replies = result.round_replies
+        assert len(replies) == result.rounds >= 4
+        assert np.isnan(replies[0][0]) and np.isnan(replies[0][1])
+        timed = np.array(replies[1:])
+        assert (timed[:, 1] >= 0).all() and (timed[:, 1] < timed[:, 0]).all()  # the finishing is part of the reply
+        if ahead:
+            assert np.median(timed[:, 1]) > 8.0
+        else:
+            assert (timed[:, 1] == 0).all()
+            assert (timed[:, 0] > 15.0).all()  # it drafts the whole next draft after the verdict, 2 x 20 ms

@@ -181,6 +181,11 @@ def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server,
     assert all(tokens >= 1 and ms > 0 and 1 <= sessions <= 2 for tokens, ms, sessions in w.steps)
     seen = sum(weight for _, weight, _ in row["server_step_sizes"])
     assert 0 < seen <= w.after.steps - w.before.steps
+    # and the devices' reply to the verdict before each of those rounds: the finishing of a token drafted ahead is
+    # part of it
+    assert len(w.replies) == len(w.steps)
+    reply, drafting = row["device_reply_ms"], row["device_reply_drafting_ms"]
+    assert 0 < reply[0] <= reply[1] and 0 <= drafting[0] <= drafting[1] and drafting[0] <= reply[0]
 
 
 def test_the_window_opens_only_once_every_device_has_committed(tiny_server, tokenizer):
@@ -298,6 +303,9 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
                      r"tokens\) [\d.]+x and [\d.]+x before the runs, [\d.]+x and [\d.]+x after them; server-only "
                      r"\(steps of [\d.]+ tokens\) [\d.]+x and [\d.]+x before the runs, [\d.]+x and [\d.]+x after "
                      r"them\n", text)
+    # the devices' replies to verdicts, against the batching window the script gave the server
+    assert re.search(r"- the devices' replies to verdicts: .* the server's batching window was 3 ms: 1 devices sled "
+                     r"[\d.]+ / [\d.]+ \([\d.]+ / [\d.]+\), server-only [\d.]+ / [\d.]+ \(0\.0 / 0\.0\)\n", text)
     # the verdict, pass by pass (one repeat: one pass)
     assert re.search(r"- 1 devices: adaptive .* tok/s vs best fixed K=\d .*; pass by pass [\d.]+x, median [\d.]+x\n", text)
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
