@@ -769,8 +769,8 @@ def reply_line(counts: list[int], by: dict, max_wait_ms: float) -> str:
         return ""
     return ("- the devices' replies to verdicts: from a verdict's arrival to the next draft going out, median / 90th "
             "percentile ms, and in brackets the part spent finishing the token being drafted ahead when it came (where "
-            "the tokens drafted ahead are fewer than the next draft, the rest is drafted after that too); the server's batching window was "
-            f"{max_wait_ms:g} ms: " + "; ".join(parts) + "\n")
+            "the tokens drafted ahead are fewer than the next draft, the rest is drafted after that too); the server's "
+            f"batching window was {max_wait_ms:g} ms: " + "; ".join(parts) + "\n")
 
 
 def stolen_line(rows: list[dict]) -> str:
