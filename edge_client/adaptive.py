@@ -33,6 +33,9 @@ after the verdict. Drafting ahead thus favours drafts short enough to be ready w
 shorter than that by much: a verdict that comes while a token is being drafted ahead waits for that token (half a
 token on average), which a draft long enough to keep the drafter busy anyway does not notice (tests/test_sim_rounds.py:
 without it, one device at a launch-bound server chose 2-3 tokens, under 0.9x the best fixed K).
+The device no longer waits in either way (edge_client/generation.py): it answers a verdict at once with what was
+drafted ahead, K at most, and nothing after a miss. K is then the cap of the drafts, which are otherwise as long as
+the drafting during the round trip made them; the model above still prices the waits, and was not redone for it.
 
 A device keeps one controller across its requests (`generate(..., controller=)`): acceptance, drafting time and
 round trip describe the device, its drafter and the server, not one request. A fresh controller per request
