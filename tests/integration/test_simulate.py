@@ -68,8 +68,9 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path, sig
     compose = tmp_path / "compose.yml"
     compose.write_text(yaml.safe_dump({"services": {"slow-server": {
         "command": ["python", "-c", LINGERING_SERVER, str(marker), "--port", "50051"]}}}))
-    run = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--compose", str(compose),
-                            "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # faulthandler: a run stuck where it should not be dumps every thread's stack on SIGABRT (below)
+    run = subprocess.Popen([sys.executable, "-X", "faulthandler", str(ROOT / "scripts" / "simulate.py"), "--compose",
+                            str(compose), "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():  # the service runs and is never healthy: the run waits for it
@@ -77,7 +78,14 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path, sig
             time.sleep(0.1)
         run.send_signal(sig)
         while not marker.with_suffix(".term").exists():  # the clean-up has asked the service to stop
-            assert time.monotonic() < deadline
+            if run.poll() is not None or time.monotonic() > deadline:
+                # Failed once in a full run (stop 45), never alone since: say whether the run died or hangs, and where.
+                state = f"exited with {run.returncode}" if run.poll() is not None else "still running (stacks below)"
+                if run.poll() is None:
+                    run.send_signal(signal.SIGABRT)
+                out, err = run.communicate(timeout=30)
+                pytest.fail(f"the clean-up never asked the service to stop; simulate.py {state}\n"
+                            f"stdout:\n{out}\nstderr:\n{err}")
             time.sleep(0.05)
         run.send_signal(sig)
         out, err = run.communicate(timeout=60)
