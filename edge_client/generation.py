@@ -157,7 +157,7 @@ class _Generation:
 
     def __init__(self, client, drafter, tokenizer, prompt, max_tokens, sampling, draft_tokens, stop_ids, on_text,
                  client_id, resilience, should_stop, adaptive: AdaptiveDraftLength | None = None,
-                 draft_ahead: bool = True):
+                 draft_ahead: bool = True, answer_at_once: bool = True):
         self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
         self.max_tokens, self.sampling, self.k = max_tokens, sampling, draft_tokens
         self.stop_ids = frozenset(stop_ids) | {tokenizer.eos_token_id}
@@ -174,6 +174,7 @@ class _Generation:
         self.backoff = resilience.backoff_initial_s
         self.adaptive = adaptive if draft_tokens > 0 else None
         self.draft_ahead = draft_ahead and draft_tokens > 0
+        self.answer_at_once = answer_at_once
         self.carry: Proposal | None = None  # drafted ahead, continuing the committed context
         self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
         self.verdict_at = 0.0  # when this round's verdict came
@@ -320,7 +321,7 @@ class _Generation:
             try:
                 await asyncio.wait([verify])
                 busy = not drafting.done()
-                ahead = self._answer_now(verify, proposal, drafting)
+                ahead = self._answer_now(verify, proposal, drafting) if self.answer_at_once else None
                 if ahead is None:
                     ahead = await drafting
             except BaseException:
@@ -446,7 +447,7 @@ class _Generation:
         window opened, and a device answering in time alternated with one that did not: the server's steps held
         about half the devices (2.1 of 4 on this repository's CPU host, 15.3 of 32 on an H100). A fixed K
         drafts it whole."""
-        if self.adaptive is not None and self.draft_ahead and self.answering is not None:
+        if self.answer_at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None:
             k = min(k, len(self.carry.token_ids) if self.carry is not None else 0)
         if self.finishing is not None and k and (self.carry is None or len(self.carry.token_ids) < k):
             t0 = time.perf_counter()
@@ -540,6 +541,7 @@ async def generate(
     draft_ahead: bool = True,
     controller: AdaptiveDraftLength | None = None,
     confidence_stop: bool = False,
+    answer_at_once: bool = True,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
@@ -551,6 +553,9 @@ async def generate(
     draft_ahead=True drafts on while a draft is verified (see the module docstring). `controller` is the
     device's adaptive draft-length controller, kept across its requests so that each starts from what the
     earlier ones measured; None makes a fresh one.
+    answer_at_once=False makes a device finish the token it is drafting ahead before it answers a verdict, and draft
+    the rest of K after it where the tokens drafted ahead fall short (the behaviour before commit d1c17cb), for
+    scripts/bench_system.py to compare.
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
@@ -566,5 +571,6 @@ async def generate(
         controller.configure(max(max_draft_tokens, controller.k_min), draft_ahead)
         controller.confidence_stop = confidence_stop
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
-                      stop_token_ids, on_text, client_id, resilience, should_stop, controller, draft_ahead)
+                      stop_token_ids, on_text, client_id, resilience, should_stop, controller, draft_ahead,
+                      answer_at_once)
     return await run.run()

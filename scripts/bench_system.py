@@ -15,7 +15,9 @@
    N times one device's measured rate).
 3. `sled` rows use the adaptive draft length and drafting ahead (the defaults); fixed K = 2, 4, 8 run beside it,
    and so does the adaptive K without drafting ahead (`sled-no-ahead` in the JSON: each device waits for its
-   verdict before drafting on). Each device drafts on its own thread, as on its own hardware.
+   verdict before drafting on), and with a device that finishes the token it drafts ahead before answering a
+   verdict, drafting the rest of K first (`sled-finish-first`: the device before commit d1c17cb, which answers
+   at once with what it drafted ahead). Each device drafts on its own thread, as on its own hardware.
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
 5. The server's steps alone, before and after the runs: a few sessions' drafts of together 1 token up to the most
    the devices can send, in one step with nothing else running; and SLED / server-only if every step cost that
@@ -156,6 +158,9 @@ class ReplayDrafter:
 
 
 K_MAX = 8
+# The adaptive configurations' JSON modes: the default (`sled`), waiting for each verdict instead of drafting ahead,
+# and finishing the token being drafted ahead before answering a verdict (the device before commit d1c17cb).
+VARIANTS = {"adaptive": "sled", "no-ahead": "sled-no-ahead", "finish-first": "sled-finish-first"}
 
 
 def record_tables(address, tokenizer, prompt_ids, max_tokens, model_path: str | None = None
@@ -275,7 +280,7 @@ def kernel_line(info) -> str:
 
 
 async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens, k, warmup_s, seconds,
-                     adaptive=False, draft_ahead=True) -> Window:
+                     adaptive=False, draft_ahead=True, answer_at_once=True) -> Window:
     """N devices in a closed loop: each runs requests back to back (device d starts at prompt d and goes through
     them in turn) until the window ends; tokens count when they are committed inside the window of `seconds`.
     The window opens `warmup_s` after the start, or later, once every device has committed its first round: the
@@ -299,7 +304,8 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             drafter = Timeline(make_drafter(p), on_commit=lambda: first_commit.__setitem__(d, True))
             r = await generate(client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
                                adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
-                               controller=controller, should_stop=lambda: time.perf_counter() >= end)
+                               controller=controller, should_stop=lambda: time.perf_counter() >= end,
+                               answer_at_once=answer_at_once)
             inside = [start <= t < end for t in drafter.commits]
             rounds += [x for x, keep in zip(zip(drafter.commits, r.round_tokens, r.round_times), inside) if keep]
             steps += [x for x, keep in zip(r.round_steps, inside) if keep]
@@ -572,7 +578,8 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
     """Per configuration (devices, mode), the run with the median system tok/s (the lower middle of an even
     count), with every repeat's tok/s in repeat order and, for every mode but server-only, SLED / server-only of
     each repeat (paired by repeat number). Returns the main rows (server-only, and adaptive as `sled`), the
-    adaptive and fixed-K rows, and the waiting (no-ahead) rows, each in the order of `runs`."""
+    adaptive and fixed-K rows, and the other adaptive variants' rows (no-ahead, finish-first), each in the order of
+    `runs`."""
     for done in runs.values():
         done.sort(key=lambda r: r["repeat"])
     rows, adaptive_rows, waiting_rows = [], [], []
@@ -585,7 +592,7 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
             row["repeats_ratio_to_server_only"] = [ratio(r["system_tokens_per_s"], b) for r, b in zip(done, base)]
         if mode == "server-only":
             rows.append(row)
-        elif mode == "no-ahead":
+        elif mode in ("no-ahead", "finish-first"):
             waiting_rows.append(row)
         else:
             adaptive_rows.append(row)
@@ -594,10 +601,30 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
     return rows, adaptive_rows, waiting_rows
 
 
+def answer_table(finishing_rows: list[dict], by: dict) -> list[str]:
+    """Answering a verdict at once against finishing the token being drafted ahead first (`sled` against
+    `sled-finish-first`, adaptive K both): tok/s, their ratio, the sessions a step, the devices' median reply to a
+    verdict, and the ratio pass by pass; no lines without finish-first rows."""
+    if not finishing_rows:
+        return []
+    lines = ["| devices | at once tok/s | finishing first tok/s | ratio | sessions a step | median reply ms | "
+             "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for f in finishing_rows:
+        a = by[("sled", f["devices"])]
+        per = [ratio(x, y) for x, y in zip(a["repeats_system_tokens_per_s"], f["repeats_system_tokens_per_s"])]
+        reply = [f"{r['device_reply_ms'][0]:.1f}" if r.get("device_reply_ms") else "-" for r in (a, f)]
+        lines.append(f"| {f['devices']} | {a['system_tokens_per_s']:.1f} | {f['system_tokens_per_s']:.1f} | "
+                     f"{ratio(a['system_tokens_per_s'], f['system_tokens_per_s']):.2f}x | "
+                     f"{a['server_batch_sessions']:.1f} / {f['server_batch_sessions']:.1f} | {reply[0]} / {reply[1]} | "
+                     + ", ".join(f"{x:.2f}x" for x in per) + " |")
+    return lines
+
+
 def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict], waiting_rows: list[dict],
                   slo_ms: float, costs: list[tuple[str, dict[int, float]]] = ()) -> dict:
     """The section's tables and verdicts from the reported rows: `main` (a row per count and mode, with SLED /
-    server-only), `k` (adaptive vs fixed K) and `ahead` (drafting ahead vs waiting) as markdown lines,
+    server-only), `k` (adaptive vs fixed K), `ahead` (drafting ahead vs waiting) and `answer` (answer_table) as
+    markdown lines,
     `capacity` per mode (the largest count whose p95 inter-token latency is within slo_ms, else 0), `verdicts`
     (adaptive vs the best fixed K per count), `overhead` (the non-model share of a step at 16 devices), `bound`
     (drafting_bound / server-only per count, the most SLED / server-only can be from the devices' side),
@@ -645,12 +672,13 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                         f"pass by pass {', '.join(f'{x:.2f}x' for x in per)}, median {float(np.median(per)):.2f}x")
     wlines = ["| devices | drafting ahead tok/s | waiting tok/s | ratio | drafted tokens made ahead | "
               "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|"]
-    for w in waiting_rows:
+    for w in (r for r in waiting_rows if r["mode"] == "sled-no-ahead"):
         a = by[("sled", w["devices"])]
         per = [ratio(x, y) for x, y in zip(a["repeats_system_tokens_per_s"], w["repeats_system_tokens_per_s"])]
         wlines.append(f"| {w['devices']} | {a['system_tokens_per_s']:.1f} | {w['system_tokens_per_s']:.1f} | "
                       f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
                       + ", ".join(f"{x:.2f}x" for x in per) + " |")
+    answer = answer_table([r for r in waiting_rows if r["mode"] == "sled-finish-first"], by)
     ceilings = [ratio(drafting_bound(by[("device-only", n)]["system_tokens_per_s"],
                                      by[("sled", n)]["mean_draft_tokens"], n, by[("sled", n)]["server_step_ms"]),
                       by[("server-only", n)]["system_tokens_per_s"]) for n in counts]
@@ -704,7 +732,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         overhead = (f"- non-model time per step at 16 sessions (scheduling, sampling, commit; step − forward): "
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
-    return {"by": by, "main": lines, "k": alines, "ahead": wlines, "capacity": capacity, "verdicts": verdicts,
+    return {"by": by, "main": lines, "k": alines, "ahead": wlines, "answer": answer, "capacity": capacity, "verdicts": verdicts,
             "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
             "stolen": stolen_line(rows + adaptive_rows + waiting_rows), "devices_cpu": devices_cpu_line(counts, by)}
 
@@ -940,7 +968,7 @@ def main() -> int:
         costs = [("before the runs", step_costs_alone(address, tokenizer, ids, top))]
         print("[bench] the server's step alone (tokens: ms): "
               + ", ".join(f"{k}: {v:.1f}" for k, v in costs[0][1].items()), flush=True)
-        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead")]
+        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead", "finish-first")]
         # Every configuration runs --repeats times, the order reversed on every other pass so that a slow
         # stretch of this shared machine does not fall on one configuration; the median run is reported.
         order = [(rep, cfg) for rep in range(args.repeats) for cfg in (plan if rep % 2 == 0 else plan[::-1])]
@@ -953,7 +981,7 @@ def main() -> int:
                                            args.max_tokens, 0, args.warmup_s, args.seconds))
                 row = summarize(mode, n, w)
             else:
-                adaptive = mode in ("adaptive", "no-ahead")
+                adaptive = mode in ("adaptive", "no-ahead", "finish-first")
                 k = args.draft_tokens if adaptive else int(mode)
                 clock = DraftClock()
                 w = asyncio.run(run_window(
@@ -961,9 +989,9 @@ def main() -> int:
                     lambda p: ReplayDrafter(tables[p], spt, fulls[p] if fulls else None,
                                             confidences[p] if confidences else None, clock), ids, n,
                     args.max_tokens, k, args.warmup_s, args.seconds, adaptive=adaptive,
-                    draft_ahead=mode != "no-ahead"))
+                    draft_ahead=mode != "no-ahead", answer_at_once=mode != "finish-first"))
                 # Fixed-K rows are their own modes, so that `mode == "sled"` picks exactly one row per count.
-                row = summarize({"adaptive": "sled", "no-ahead": "sled-no-ahead"}.get(mode, f"sled-k{mode}"), n, w)
+                row = summarize(VARIANTS.get(mode, f"sled-k{mode}"), n, w)
                 row["k"] = mode
                 row["drafting_ms_per_token"] = clock.ms_per_token()
             row["repeat"] = rep
@@ -1045,11 +1073,16 @@ def main() -> int:
         "While a draft is verified, a device drafting ahead goes on as if all of it will be accepted with its own "
         "next token as the bonus; when that holds, the next draft is ready at once (`--no-draft-ahead` waits).\n\n"
         + "\n".join(wlines) + "\n"
+        + ("\n### Answering a verdict at once vs finishing the token first (adaptive K, drafting ahead both)\n\n"
+           "A verdict that comes while a device drafts ahead is answered at once with what was drafted ahead (K at "
+           "most; an empty draft after a miss) while the drafter finishes its token, or (`sled-finish-first`, the "
+           "device before commit d1c17cb) after that token, with the rest of K drafted first; sessions a step and "
+           "median reply: at once / finishing first.\n\n" + "\n".join(t["answer"]) + "\n" if t["answer"] else "")
     )
     publish(args.markdown, heading + ":", section, args.json,
             rows + [r for r in adaptive_rows if r["k"] != "adaptive"] + waiting_rows)
     paths = plot(rows, Path(args.out_dir))
-    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines) + "\n\n" + "\n".join(wlines))
+    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines) + "\n\n" + "\n".join(wlines + [""] + t["answer"]))
     print(f"[bench] capacity: {capacity}; plots: {[str(p) for p in paths]}")
     return 0
 

@@ -325,3 +325,25 @@ def test_the_reply_line_gives_each_count_s_reported_runs_against_the_batching_wi
     by = report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
                        slo_ms=150.0)["by"]
     assert reply_line([4, 16], by, 3.0) == ""
+
+
+def test_the_answer_table_sets_answering_at_once_against_finishing_first_pass_by_pass():
+    """`sled` against `sled-finish-first` (the device that finished its token before answering a verdict): the median
+    runs' tok/s and ratio, sessions a step and median reply of each, and the ratio of each pass; the no-ahead table
+    keeps its own rows, and without finish-first rows there is no table."""
+    runs = synthetic_runs()
+    for n in (4, 16):
+        for r in runs[(n, "adaptive")]:
+            r["device_reply_ms"] = [0.2, 0.9]
+        runs[(n, "finish-first")] = [run("sled-finish-first", n, rep, tok, k="finish-first",
+                                         server_batch_sessions=n / 2, device_reply_ms=[9.1, 40.0])
+                                     for rep, tok in ((1, 90.0), (2, 150.0), (0, 100.0))]
+    rows, adaptive_rows, waiting_rows = pick_medians(runs)
+    t = report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows, slo_ms=150.0)
+    # sled at 4 devices: 150 (pass 0), 135 (pass 1), 157.5 (pass 2); finishing first 100, 90, 150
+    assert t["answer"][2] == "| 4 | 150.0 | 100.0 | 1.50x | 4.0 / 2.0 | 0.2 / 9.1 | 1.50x, 1.50x, 1.05x |"
+    assert [line.split(" |")[0] for line in t["ahead"][2:]] == ["| 4", "| 16"]  # no-ahead rows only
+    assert "| 150.0 | 110.0 | 1.36x |" in t["ahead"][2]
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    assert report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
+                         slo_ms=150.0)["answer"] == []

@@ -435,6 +435,22 @@ def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
     assert (replies[:, 1] == 0.0).all() and (replies[:, 0] < 3.0).all()  # out within 3 ms; a token takes 10
 
 
+def test_answer_at_once_off_finishes_the_token_first():
+    """answer_at_once=False, the device before this change (scripts/bench_system.py compares the two): the same run
+    answers no verdict at once; a verdict that comes mid-token waits for that token, and the drafts are K long."""
+    async def main():
+        return await generate(FakeClient(0, 0.025, max_tokens=40, target=cycle(1, 2, 3, 0)),
+                              SlowTable(cycle(1, 2, 3, 1), 0.01), TOKENIZER, PROMPT, max_tokens=40, draft_tokens=2,
+                              adaptive=True, max_draft_tokens=8, controller=held_at_two(), answer_at_once=False)
+
+    result = asyncio.run(main())
+    assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 40)
+    assert result.answered_at_once == 0
+    assert result.draft_tokens >= 2 * result.rounds - 2  # K = 2 but near the end of the request
+    replies = np.array(result.round_replies[1:])
+    assert (replies[:, 1] > 1.0).sum() >= len(replies) // 2  # most waited for the token being drafted
+
+
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded-draws", "fresh-draws"])
 def test_drafts_answered_at_once_keep_the_target_distribution(seeded):
     """The distribution check above, with verdicts answered at once from the tokens drafted ahead: each drafted token
