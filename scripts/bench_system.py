@@ -592,7 +592,7 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
             row["repeats_ratio_to_server_only"] = [ratio(r["system_tokens_per_s"], b) for r, b in zip(done, base)]
         if mode == "server-only":
             rows.append(row)
-        elif mode in ("no-ahead", "finish-first"):
+        elif mode in VARIANTS and mode != "adaptive":
             waiting_rows.append(row)
         else:
             adaptive_rows.append(row)
@@ -732,8 +732,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         overhead = (f"- non-model time per step at 16 sessions (scheduling, sampling, commit; step − forward): "
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
-    return {"by": by, "main": lines, "k": alines, "ahead": wlines, "answer": answer, "capacity": capacity, "verdicts": verdicts,
-            "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
+    return {"by": by, "main": lines, "k": alines, "ahead": wlines, "answer": answer, "capacity": capacity,
+            "verdicts": verdicts, "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
             "stolen": stolen_line(rows + adaptive_rows + waiting_rows), "devices_cpu": devices_cpu_line(counts, by)}
 
 
@@ -981,7 +981,7 @@ def main() -> int:
                                            args.max_tokens, 0, args.warmup_s, args.seconds))
                 row = summarize(mode, n, w)
             else:
-                adaptive = mode in ("adaptive", "no-ahead", "finish-first")
+                adaptive = mode in VARIANTS
                 k = args.draft_tokens if adaptive else int(mode)
                 clock = DraftClock()
                 w = asyncio.run(run_window(

@@ -462,8 +462,9 @@ def test_drafts_answered_at_once_keep_the_target_distribution(seeded):
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=64))
 
         async def one(i):
+            sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
             return await generate(FakeClient(20_000 + i, 0.004), SlowTable(Q, 0.0015), TOKENIZER, PROMPT,
-                                  max_tokens=N_TOKENS, sampling=SamplingParams(temperature=1.0, seed=i if seeded else None),
+                                  max_tokens=N_TOKENS, sampling=sampling,
                                   draft_tokens=2, adaptive=True, max_draft_tokens=8, controller=held_at_two())
 
         results = []
