@@ -34,7 +34,7 @@ shorter than that by much: a verdict that comes while a token is being drafted a
 token on average), which a draft long enough to keep the drafter busy anyway does not notice (tests/test_sim_rounds.py:
 without it, one device at a launch-bound server chose 2-3 tokens, under 0.9x the best fixed K).
 The device no longer waits in either way (edge_client/generation.py): it answers a verdict at once with what was
-drafted ahead, K at most, and nothing after a miss. K is then the cap of the drafts, which are otherwise as long as
+drafted ahead, K at most, after a hit (after a miss it drafts K afresh). K is then the cap of the drafts, which are otherwise as long as
 the drafting during the round trip made them; the model above still prices the waits, and was not redone for it.
 
 A device keeps one controller across its requests (`generate(..., controller=)`): acceptance, drafting time and

@@ -10,8 +10,8 @@ with exactly the distribution it was sampled from, given the context it continue
 
 A verdict that comes while the drafter is on a token is answered without waiting for that token: the drafter
 finishes it meanwhile and rolls back only then, if the verdict says so. With the adaptive controller, the
-answer is what was drafted ahead, at most K (none after a miss: the server then decodes one token while the
-device drafts on), so every device's next draft meets the batching window that the verdicts' step opens
+answer to a hit is what was drafted ahead, at most K (after a miss it drafts K afresh), so most devices' next drafts
+meet the batching window that the verdicts' step opens
 (`_Generation.draft`); a fixed K drafts the rest first.
 
 The device keeps the whole token history, so nothing is lost when the link drops or the server
@@ -441,14 +441,15 @@ class _Generation:
         spare: the tokens drafted ahead past them (a carry longer than this draft), which continue it, so the
         drafting ahead during its verification starts from them instead of drafting them again.
 
-        With the adaptive controller and drafting ahead, a draft answering a verdict is what was drafted ahead, at
-        most k, and goes out at once: none after a miss (the server then decodes one token while the device drafts
-        on). Drafting the rest first sent it after the server's batching window, into the step after the one that
+        With the adaptive controller and drafting ahead, a draft answering a hit is what was drafted ahead, at most
+        k, and goes out at once; after a miss the device drafts k afresh (an empty draft instead left a weak
+        drafter, whose guess of the bonus is rarely right, sending almost nothing: the server decoded alone). Drafting the rest first sent it after the server's batching window, into the step after the one that
         window opened, and a device answering in time alternated with one that did not: the server's steps held
         about half the devices (2.1 of 4 on this repository's CPU host, 15.3 of 32 on an H100). A fixed K
         drafts it whole."""
-        if self.answer_at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None:
-            k = min(k, len(self.carry.token_ids) if self.carry is not None else 0)
+        if (self.answer_at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None
+                and self.carry is not None and self.carry.token_ids):
+            k = min(k, len(self.carry.token_ids))
         if self.finishing is not None and k and (self.carry is None or len(self.carry.token_ids) < k):
             t0 = time.perf_counter()
             ahead = await self.settle()  # the drafter is needed now: its token first

@@ -1075,7 +1075,7 @@ def main() -> int:
         + "\n".join(wlines) + "\n"
         + ("\n### Answering a verdict at once vs finishing the token first (adaptive K, drafting ahead both)\n\n"
            "A verdict that comes while a device drafts ahead is answered at once with what was drafted ahead (K at "
-           "most; an empty draft after a miss) while the drafter finishes its token, or (`sled-finish-first`, the "
+           "most, after a hit) while the drafter finishes its token, or (`sled-finish-first`, the "
            "device before commit d1c17cb) after that token, with the rest of K drafted first; sessions a step and "
            "median reply: at once / finishing first.\n\n" + "\n".join(t["answer"]) + "\n" if t["answer"] else "")
     )

@@ -413,9 +413,9 @@ def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
     """With the adaptive controller (held at K = 2, under a bound of 8) and drafting ahead, a verdict that comes while
     the drafter is on a token drafted ahead (10 ms a token; each verdict 25 ms after its draft) is answered at once,
     while the drafter finishes that token: after a hit (the whole draft accepted, the guessed bonus right) with the
-    tokens drafted ahead, at most K; after a miss with an empty draft (the server decodes one token while the device
-    drafts on). Finishing the token first, and after a miss drafting K tokens, sent the draft after the server's
-    batching window, into the step after the next. The drafter's cache must stay right meanwhile: the target's text,
+    tokens drafted ahead, at most K; after a miss the device drafts K afresh (an empty draft there left weak drafters
+    sending almost nothing). Finishing the token first sent the draft after the server's batching window, into the
+    step after the next. The drafter's cache must stay right meanwhile: the target's text,
     no position evaluated twice with the same token (the drafter's table misses every fourth token; after a miss a
     position is evaluated again, with the target's token), and nothing it holds off the committed text."""
     async def main():
@@ -429,10 +429,11 @@ def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
     assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 40)
     assert len(drafter.fed) == len(set(drafter.fed))
     assert drafter._evaluated == (PROMPT + result.token_ids)[:len(drafter._evaluated)]
-    assert result.answered_at_once >= result.rounds - 3 >= 20
-    assert 0 < result.draft_tokens < 2 * result.rounds  # drafts of 2 after hits, empty ones after misses
+    assert result.answered_at_once >= 5
+    assert result.draft_tokens >= result.rounds  # no empty draft: after a miss, 2 drafted afresh
     replies = np.array(result.round_replies[1:])
-    assert (replies[:, 1] == 0.0).all() and (replies[:, 0] < 3.0).all()  # out within 3 ms; a token takes 10
+    assert (replies[:, 0] < 3.0).sum() >= result.answered_at_once  # those went out within 3 ms; a token takes 10
+    assert (replies[:, 0] > 15.0).sum() >= 5  # after a miss: a draft of 2 drafted afresh, 2 x 10 ms
 
 
 def test_answer_at_once_off_finishes_the_token_first():
