@@ -6,7 +6,9 @@ The server runs one step at a time: it starts when every device's draft is waiti
 `max_wait_ms`, verifies all that wait, and takes `fixed + per_token * tokens` (a launch-bound GPU: a large fixed
 part; a CPU: a large per-token part). Each device drafts at `draft_ms` per token, each drafted token right with
 probability `match` (independently, as the target's greedy text is fixed), drafts ahead while its draft is
-verified (finishing the token in progress when the verdict comes, as edge_client.generation does), and chooses K
+verified (finishing the token in progress when the verdict comes, as edge_client.generation does with a fixed K or
+`answer_at_once=False`; with `--at-once`, an adaptive device answers a hit at once with the tokens drafted ahead,
+K at most, as a device does by default), and chooses K
 with the real edge_client.adaptive controller, fed what a device measures and its verdicts report (the step's time,
 sessions and token cost, and how long the draft waited through earlier steps). The figures are the model's, not a
 measurement: the point is the controller's choice against fixed K under the same model, fast and repeatable.
@@ -62,6 +64,7 @@ class _Device:
     ctrl: AdaptiveDraftLength | None
     rng: random.Random
     carry: int = 0  # tokens drafted ahead that continue the committed context
+    offset: float = 0.0  # tokens already drafted ahead past the draft out now when it went out (answered at once)
     tokens: int = 0  # committed inside the measured window
     round_start: float = 0.0
     sent: float = 0.0
@@ -72,6 +75,7 @@ class _Device:
     queue: float = 0.0  # how long that draft waited through earlier steps (the server's Verdict.queue_ms)
     step: float = 0.0  # and that step's time
     ks: list[int] = field(default_factory=list)
+    at_once: int = 0  # rounds sent at a verdict's arrival with what was drafted ahead
     # With confidence: the drafter's tokens past the committed context as (confidence, right), drawn as needed;
     # the same tokens whether drafted now or ahead, until a verdict corrects the text.
     upcoming: list[tuple[float, bool]] = field(default_factory=list)
@@ -79,10 +83,16 @@ class _Device:
 
 
 def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0, warmup_s: float = 3.0,
-             k_max: int = 8, ahead: bool = True, seed: int = 0, confidence_stop: bool = True) -> dict:
+             k_max: int = 8, ahead: bool = True, seed: int = 0, confidence_stop: bool = True,
+             at_once: bool = False) -> dict:
     """Committed tokens per second of `devices` devices over `seconds` after `warmup_s`, with fixed K = k or the
     adaptive controller (k=None; its confidence stop rule used where the regime has confidence, unless
-    confidence_stop is off)."""
+    confidence_stop is off). With at_once, an adaptive device answers a verdict as edge_client.generation does by
+    default: after a hit whose tokens drafted ahead reach past the bonus, those tokens (K at most) go out at once
+    while the drafter finishes its token; otherwise it finishes that token and drafts the rest of K (a fixed K
+    always does). Needs a regime without confidence."""
+    if at_once and regime.confidence is not None:
+        raise ValueError("at_once is modelled for drafts without confidence only")
     r = regime
     rng = random.Random(seed)
     devs = [_Device(k, None if k is not None else AdaptiveDraftLength.for_device(k_max, ahead, confidence_stop),
@@ -193,11 +203,29 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             # Drafting ahead from `sent`: tokens made by now, the one in progress finished before going on.
             made = 0
             resume = now
+            progress = min((now - dev.sent) / r.draft_s + dev.offset, k_max + 1.0)  # tokens ahead, the last in part
+            dev.offset = 0.0
             if ahead:
-                made = min(int((now - dev.sent) / r.draft_s), k_max + 1)
-                if made < k_max + 1 and now > dev.sent:
+                made = int(progress)
+                if made < k_max + 1 and progress > made:
                     made += 1
-                    resume = max(now, dev.sent + made * r.draft_s)
+                    resume = max(now, now + (made - progress) * r.draft_s)
+                if (at_once and dev.ctrl is not None and accepted == kk and int(progress) > 1
+                        and dev.rng.random() < r.match):
+                    # A hit answered at once: the tokens done past the bonus go out now, K at most; the rest, and
+                    # the token in progress, are where the drafting ahead of this new draft stands.
+                    if warmup_s <= now:
+                        dev.tokens += accepted + 1
+                    dev.ctrl.observe(RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent,
+                                                 dev.server, r.draft_s, dev.sessions, dev.sure, dev.step, dev.queue))
+                    n = min(dev.ctrl.k, int(progress) - 1)
+                    dev.round_start, dev.drafted = now, n
+                    dev.ks.append(n)
+                    dev.at_once += 1
+                    dev.carry = 0
+                    dev.offset = progress - 1 - n
+                    at(now, "send", d)
+                    continue
             if r.confidence is None:
                 if accepted == kk and made > 1 and dev.rng.random() < r.match:
                     dev.carry = made - 1
@@ -220,12 +248,13 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
     total = sum(dv.tokens for dv in devs)
     ks = [x for dv in devs for x in dv.ks]
     return {"devices": devices, "k": "adaptive" if k is None else k, "system_tokens_per_s": total / seconds,
-            "mean_k": sum(ks) / len(ks)}
+            "mean_k": sum(ks) / len(ks), "answered_at_once": sum(dv.at_once for dv in devs) / len(ks)}
 
 
-def compare(regime: Regime, devices: int, seconds: float = 30.0, seed: int = 0) -> dict:
+def compare(regime: Regime, devices: int, seconds: float = 30.0, seed: int = 0, at_once: bool = False) -> dict:
     """Adaptive and fixed K = 2, 4, 8 under one regime: tokens/s of each and adaptive / best fixed."""
-    rows = {k: simulate(regime, devices, k, seconds, seed=seed) for k in (2, 4, 8, None)}
+    rows = {k: simulate(regime, devices, k, seconds, seed=seed, at_once=at_once and k is None)
+            for k in (2, 4, 8, None)}
     best = max((k for k in rows if k is not None), key=lambda k: rows[k]["system_tokens_per_s"])
     return {"rows": rows, "best_fixed": best,
             "ratio": rows[None]["system_tokens_per_s"] / rows[best]["system_tokens_per_s"]}
@@ -240,6 +269,9 @@ def main() -> int:
     ap.add_argument("--draft-ms", type=float, default=16.8, help="drafting time per token (default 16.8)")
     ap.add_argument("--match", type=float, default=0.98, help="probability a drafted token is right (default 0.98)")
     ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds per run (default 30)")
+    ap.add_argument("--at-once", action="store_true",
+                    help="adaptive devices answer a hit's verdict at once with what was drafted ahead (the device's "
+                         "default); without it they finish the token in progress and draft the rest of K first")
     ap.add_argument("--confidence", metavar="SHARE:CONF:RIGHT,...",
                     help="drafted tokens as kinds, e.g. 0.75:0.9:0.99,0.25:0.3:0.75 (instead of --match): the stop "
                          "rule then ends drafts on the drafter's confidence")
@@ -257,6 +289,8 @@ def main() -> int:
     for name in ("step_fixed_ms", "step_token_ms", "step_session_ms", "draft_ms", "seconds"):
         if getattr(args, name) < 0 or (name in ("draft_ms", "seconds") and getattr(args, name) == 0):
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.at_once and confidence is not None:
+        ap.error("--at-once is modelled for drafts without --confidence only")
     if not 0 <= args.match <= 1:
         ap.error("--match must be in [0, 1]")
     try:
@@ -270,7 +304,7 @@ def main() -> int:
     print("| devices | K=2 | K=4 | K=8 | adaptive (mean K) | adaptive / best fixed |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in counts:
-        c = compare(regime, n, args.seconds)
+        c = compare(regime, n, args.seconds, at_once=args.at_once)
         rows = c["rows"]
         print(f"| {n} | " + " | ".join(f"{rows[k]['system_tokens_per_s']:.1f}" for k in (2, 4, 8)) +
               f" | {rows[None]['system_tokens_per_s']:.1f} ({rows[None]['mean_k']:.2f}) | {c['ratio']:.2f}x |",
