@@ -10,9 +10,11 @@ with exactly the distribution it was sampled from, given the context it continue
 
 A verdict that comes while the drafter is on a token is answered without waiting for that token: the drafter
 finishes it meanwhile and rolls back only then, if the verdict says so. With the adaptive controller, the
-answer to a hit is what was drafted ahead, at most K (after a miss it drafts K afresh), so most devices' next drafts
-meet the batching window that the verdicts' step opens
-(`_Generation.draft`); a fixed K drafts the rest first.
+answer to a hit is what was drafted ahead, at most K, so most devices' next drafts meet the batching window that the
+verdicts' step opens (`_Generation.draft`); a fixed K drafts the rest first. The answer to a miss is an empty draft
+(the server's token alone, in that same step, while the drafter drafts on) where the device's acceptance is at least
+EMPTY_AFTER_MISS, and K drafted afresh below it, which joins a later step: a weak drafter rarely guesses the
+server's token, and answered with empty drafts it would leave the server decoding alone.
 
 The device keeps the whole token history, so nothing is lost when the link drops or the server
 restarts: the loop reconnects with backoff and reopens with the full context. While the server
@@ -42,6 +44,11 @@ from .transport import RemoteSession, VerifierClient, VerifyError
 TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "ABORTED", "NOT_FOUND",
                        "RESOURCE_EXHAUSTED"})
 FALLBACKS = ("wait", "local", "fail")
+# The acceptance (the adaptive controller's estimate) from which a miss answered at once gets an empty draft. Measured
+# side by side at 4 devices on the 2-core CPU host (scripts/bench_system.py, the real pair, acceptance 0.93-0.95):
+# 1.02-1.03x the tok/s of drafting K afresh in every pass of five, the server's steps holding 3.5 of 4 sessions
+# against 3.0. Always empty (commit d1c17cb) left the 6-layer ONNX drafter, accepted almost never, sending nothing.
+EMPTY_AFTER_MISS = 0.8
 
 
 @dataclass(frozen=True)
@@ -157,8 +164,10 @@ class _Generation:
 
     def __init__(self, client, drafter, tokenizer, prompt, max_tokens, sampling, draft_tokens, stop_ids, on_text,
                  client_id, resilience, should_stop, adaptive: AdaptiveDraftLength | None = None,
-                 draft_ahead: bool = True, answer_at_once: bool = True):
+                 draft_ahead: bool = True, answer_at_once: bool = True,
+                 empty_after_miss: float | None = EMPTY_AFTER_MISS):
         self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
+        self.empty_after_miss = empty_after_miss
         self.max_tokens, self.sampling, self.k = max_tokens, sampling, draft_tokens
         self.stop_ids = frozenset(stop_ids) | {tokenizer.eos_token_id}
         self.request_stops = list(stop_ids)
@@ -442,14 +451,19 @@ class _Generation:
         drafting ahead during its verification starts from them instead of drafting them again.
 
         With the adaptive controller and drafting ahead, a draft answering a hit is what was drafted ahead, at most
-        k, and goes out at once; after a miss the device drafts k afresh (an empty draft instead left a weak
-        drafter, whose guess of the bonus is rarely right, sending almost nothing: the server decoded alone). Drafting the rest first sent it after the server's batching window, into the step after the one that
-        window opened, and a device answering in time alternated with one that did not: the server's steps held
+        k, and goes out at once. A miss answered at once gets an empty draft, which goes out at once too, where the
+        controller's acceptance is at least empty_after_miss; below it the device drafts k afresh (an empty draft at
+        any acceptance left a weak drafter, whose guess of the bonus is rarely right, sending almost nothing: the
+        server decoded alone). Drafting the rest first sent it after the server's batching window, into the step
+        after the one that window opened, and a device answering in time alternated with one that did not: the server's steps held
         about half the devices (2.1 of 4 on this repository's CPU host, 15.3 of 32 on an H100). A fixed K
         drafts it whole."""
         if (self.answer_at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None
                 and self.carry is not None and self.carry.token_ids):
             k = min(k, len(self.carry.token_ids))
+        elif (self.empty_after_miss is not None and self.finishing is not None and not self.finishing_hit
+              and self.adaptive is not None and self.adaptive.acceptance() >= self.empty_after_miss):
+            k = 0
         if self.finishing is not None and k and (self.carry is None or len(self.carry.token_ids) < k):
             t0 = time.perf_counter()
             ahead = await self.settle()  # the drafter is needed now: its token first
@@ -543,6 +557,7 @@ async def generate(
     controller: AdaptiveDraftLength | None = None,
     confidence_stop: bool = False,
     answer_at_once: bool = True,
+    empty_after_miss: float | None = EMPTY_AFTER_MISS,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
@@ -556,7 +571,8 @@ async def generate(
     earlier ones measured; None makes a fresh one.
     answer_at_once=False makes a device finish the token it is drafting ahead before it answers a verdict, and draft
     the rest of K after it where the tokens drafted ahead fall short (the behaviour before commit d1c17cb), for
-    scripts/bench_system.py to compare.
+    scripts/bench_system.py to compare. empty_after_miss is the acceptance from which a miss answered at once gets an
+    empty draft (module docstring); None drafts K afresh after every miss.
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
@@ -573,5 +589,5 @@ async def generate(
         controller.confidence_stop = confidence_stop
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
                       stop_token_ids, on_text, client_id, resilience, should_stop, controller, draft_ahead,
-                      answer_at_once)
+                      answer_at_once, empty_after_miss)
     return await run.run()

@@ -17,7 +17,9 @@
    and so does the adaptive K without drafting ahead (`sled-no-ahead` in the JSON: each device waits for its
    verdict before drafting on), and with a device that finishes the token it drafts ahead before answering a
    verdict, drafting the rest of K first (`sled-finish-first`: the device before commit d1c17cb, which answers
-   at once with what it drafted ahead). Each device drafts on its own thread, as on its own hardware.
+   at once with what it drafted ahead), and with a device that drafts K afresh after every miss
+   (`sled-afresh-after-miss`, where the default answers a miss with an empty draft from an acceptance of 0.8:
+   edge_client.generation.EMPTY_AFTER_MISS). Each device drafts on its own thread, as on its own hardware.
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
 5. The server's steps alone, before and after the runs: a few sessions' drafts of together 1 token up to the most
    the devices can send, in one step with nothing else running; and SLED / server-only if every step cost that
@@ -70,7 +72,7 @@ from edge_client.adaptive import AdaptiveDraftLength  # noqa: E402
 from edge_client.cli import describe_kernels  # noqa: E402
 from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
-from edge_client.generation import generate  # noqa: E402
+from edge_client.generation import EMPTY_AFTER_MISS, generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.transport import VerifierClient, fetch_info  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
@@ -160,7 +162,8 @@ class ReplayDrafter:
 K_MAX = 8
 # The adaptive configurations' JSON modes: the default (`sled`), waiting for each verdict instead of drafting ahead,
 # and finishing the token being drafted ahead before answering a verdict (the device before commit d1c17cb).
-VARIANTS = {"adaptive": "sled", "no-ahead": "sled-no-ahead", "finish-first": "sled-finish-first"}
+VARIANTS = {"adaptive": "sled", "no-ahead": "sled-no-ahead", "finish-first": "sled-finish-first",
+            "afresh-after-miss": "sled-afresh-after-miss"}
 
 
 def record_tables(address, tokenizer, prompt_ids, max_tokens, model_path: str | None = None
@@ -280,7 +283,8 @@ def kernel_line(info) -> str:
 
 
 async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens, k, warmup_s, seconds,
-                     adaptive=False, draft_ahead=True, answer_at_once=True) -> Window:
+                     adaptive=False, draft_ahead=True, answer_at_once=True,
+                     empty_after_miss=EMPTY_AFTER_MISS) -> Window:
     """N devices in a closed loop: each runs requests back to back (device d starts at prompt d and goes through
     them in turn) until the window ends; tokens count when they are committed inside the window of `seconds`.
     The window opens `warmup_s` after the start, or later, once every device has committed its first round: the
@@ -305,7 +309,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             r = await generate(client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
                                adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
                                controller=controller, should_stop=lambda: time.perf_counter() >= end,
-                               answer_at_once=answer_at_once)
+                               answer_at_once=answer_at_once, empty_after_miss=empty_after_miss)
             inside = [start <= t < end for t in drafter.commits]
             rounds += [x for x, keep in zip(zip(drafter.commits, r.round_tokens, r.round_times), inside) if keep]
             steps += [x for x, keep in zip(r.round_steps, inside) if keep]
@@ -578,8 +582,8 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
     """Per configuration (devices, mode), the run with the median system tok/s (the lower middle of an even
     count), with every repeat's tok/s in repeat order and, for every mode but server-only, SLED / server-only of
     each repeat (paired by repeat number). Returns the main rows (server-only, and adaptive as `sled`), the
-    adaptive and fixed-K rows, and the other adaptive variants' rows (no-ahead, finish-first), each in the order of
-    `runs`."""
+    adaptive and fixed-K rows, and the other adaptive variants' rows (no-ahead, finish-first, afresh-after-miss), each
+    in the order of `runs`."""
     for done in runs.values():
         done.sort(key=lambda r: r["repeat"])
     rows, adaptive_rows, waiting_rows = [], [], []
@@ -601,13 +605,15 @@ def pick_medians(runs: dict[tuple[int, str], list[dict]]) -> tuple[list[dict], l
     return rows, adaptive_rows, waiting_rows
 
 
-def answer_table(finishing_rows: list[dict], by: dict) -> list[str]:
-    """Answering a verdict at once against finishing the token being drafted ahead first (`sled` against
-    `sled-finish-first`, adaptive K both): tok/s, their ratio, the sessions a step, the devices' median reply to a
-    verdict, and the ratio pass by pass; no lines without finish-first rows."""
+def answer_table(finishing_rows: list[dict], by: dict, names: tuple[str, str] = ("at once", "finishing first")
+                 ) -> list[str]:
+    """`sled` against another way of answering a verdict (adaptive K both): by default finishing the token being
+    drafted ahead first (`sled-finish-first`), or, named so, drafting K afresh after a miss
+    (`sled-afresh-after-miss`). Tok/s, their ratio, the sessions a step, the devices' median reply to a verdict,
+    and the ratio pass by pass; no lines without the other rows."""
     if not finishing_rows:
         return []
-    lines = ["| devices | at once tok/s | finishing first tok/s | ratio | sessions a step | median reply ms | "
+    lines = [f"| devices | {names[0]} tok/s | {names[1]} tok/s | ratio | sessions a step | median reply ms | "
              "ratio per repeat |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for f in finishing_rows:
         a = by[("sled", f["devices"])]
@@ -679,6 +685,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
                       f"{ratio(a['system_tokens_per_s'], w['system_tokens_per_s']):.2f}x | {a['drafted_ahead_share']:.0%} | "
                       + ", ".join(f"{x:.2f}x" for x in per) + " |")
     answer = answer_table([r for r in waiting_rows if r["mode"] == "sled-finish-first"], by)
+    afresh = answer_table([r for r in waiting_rows if r["mode"] == "sled-afresh-after-miss"], by,
+                          ("empty draft", "drafted afresh"))
     ceilings = [ratio(drafting_bound(by[("device-only", n)]["system_tokens_per_s"],
                                      by[("sled", n)]["mean_draft_tokens"], n, by[("sled", n)]["server_step_ms"]),
                       by[("server-only", n)]["system_tokens_per_s"]) for n in counts]
@@ -732,7 +740,8 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
         overhead = (f"- non-model time per step at 16 sessions (scheduling, sampling, commit; step − forward): "
                     f"{s['server_step_ms'] - s['server_forward_ms']:.1f} of {s['server_step_ms']:.1f} ms "
                     f"({(1 - s['server_forward_ms'] / s['server_step_ms']) * 100:.1f}%)\n")
-    return {"by": by, "main": lines, "k": alines, "ahead": wlines, "answer": answer, "capacity": capacity,
+    return {"by": by, "main": lines, "k": alines, "ahead": wlines, "answer": answer, "afresh": afresh,
+            "capacity": capacity,
             "verdicts": verdicts, "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
             "stolen": stolen_line(rows + adaptive_rows + waiting_rows), "devices_cpu": devices_cpu_line(counts, by)}
 
@@ -968,7 +977,8 @@ def main() -> int:
         costs = [("before the runs", step_costs_alone(address, tokenizer, ids, top))]
         print("[bench] the server's step alone (tokens: ms): "
               + ", ".join(f"{k}: {v:.1f}" for k, v in costs[0][1].items()), flush=True)
-        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead", "finish-first")]
+        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead", "finish-first",
+                                                 "afresh-after-miss")]
         # Every configuration runs --repeats times, the order reversed on every other pass so that a slow
         # stretch of this shared machine does not fall on one configuration; the median run is reported.
         order = [(rep, cfg) for rep in range(args.repeats) for cfg in (plan if rep % 2 == 0 else plan[::-1])]
@@ -989,7 +999,8 @@ def main() -> int:
                     lambda p: ReplayDrafter(tables[p], spt, fulls[p] if fulls else None,
                                             confidences[p] if confidences else None, clock), ids, n,
                     args.max_tokens, k, args.warmup_s, args.seconds, adaptive=adaptive,
-                    draft_ahead=mode != "no-ahead", answer_at_once=mode != "finish-first"))
+                    draft_ahead=mode != "no-ahead", answer_at_once=mode != "finish-first",
+                    empty_after_miss=None if mode == "afresh-after-miss" else EMPTY_AFTER_MISS))
                 # Fixed-K rows are their own modes, so that `mode == "sled"` picks exactly one row per count.
                 row = summarize(VARIANTS.get(mode, f"sled-k{mode}"), n, w)
                 row["k"] = mode
@@ -1078,11 +1089,18 @@ def main() -> int:
            "most, after a hit) while the drafter finishes its token, or (`sled-finish-first`, the "
            "device before commit d1c17cb) after that token, with the rest of K drafted first; sessions a step and "
            "median reply: at once / finishing first.\n\n" + "\n".join(t["answer"]) + "\n" if t["answer"] else "")
+        + ("\n### After a miss: an empty draft vs drafting K afresh (adaptive K, answering at once both)\n\n"
+           f"A miss that comes while a device drafts ahead is answered with an empty draft (the server's token alone, "
+           f"in the step that verdict's window opens) where the device's acceptance is at least {EMPTY_AFTER_MISS:g}, "
+           "or (`sled-afresh-after-miss`, the device before this option) with K drafted afresh, which joins a later "
+           "step; sessions a step and median reply: empty draft / drafted afresh.\n\n"
+           + "\n".join(t["afresh"]) + "\n" if t["afresh"] else "")
     )
     publish(args.markdown, heading + ":", section, args.json,
             rows + [r for r in adaptive_rows if r["k"] != "adaptive"] + waiting_rows)
     paths = plot(rows, Path(args.out_dir))
-    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines) + "\n\n" + "\n".join(wlines + [""] + t["answer"]))
+    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(alines) + "\n\n"
+          + "\n".join(wlines + [""] + t["answer"] + [""] + t["afresh"]))
     print(f"[bench] capacity: {capacity}; plots: {[str(p) for p in paths]}")
     return 0
 

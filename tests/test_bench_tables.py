@@ -347,3 +347,22 @@ def test_the_answer_table_sets_answering_at_once_against_finishing_first_pass_by
     rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
     assert report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
                          slo_ms=150.0)["answer"] == []
+
+
+def test_the_afresh_table_sets_an_empty_draft_after_a_miss_against_drafting_k_afresh():
+    """`sled` against `sled-afresh-after-miss` (the device that drafted K afresh after every miss), in its own table
+    with its own column names, apart from the finish-first table (none here) and the no-ahead one."""
+    runs = synthetic_runs()
+    for n in (4, 16):
+        for r in runs[(n, "adaptive")]:
+            r["device_reply_ms"] = [0.2, 0.9]
+        runs[(n, "afresh-after-miss")] = [run("sled-afresh-after-miss", n, rep, tok, k="afresh-after-miss",
+                                              server_batch_sessions=n * 0.75, device_reply_ms=[0.3, 30.0])
+                                          for rep, tok in ((1, 120.0), (2, 140.0), (0, 125.0))]
+    rows, adaptive_rows, waiting_rows = pick_medians(runs)
+    t = report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows, slo_ms=150.0)
+    assert t["afresh"][0].startswith("| devices | empty draft tok/s | drafted afresh tok/s | ratio |")
+    # sled at 4 devices: 150 (pass 0), 135 (pass 1), 157.5 (pass 2); afresh 125, 120, 140 (median 125)
+    assert t["afresh"][2] == "| 4 | 150.0 | 125.0 | 1.20x | 4.0 / 3.0 | 0.2 / 0.3 | 1.20x, 1.12x, 1.12x |"
+    assert t["answer"] == []
+    assert [line.split(" |")[0] for line in t["ahead"][2:]] == ["| 4", "| 16"]

@@ -409,26 +409,34 @@ class SlowTable(TableDrafter):
         return super()._eval(tokens)
 
 
-def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
-    """With the adaptive controller (held at K = 2, under a bound of 8) and drafting ahead, a verdict that comes while
-    the drafter is on a token drafted ahead (10 ms a token; each verdict 25 ms after its draft) is answered at once,
-    while the drafter finishes that token: after a hit (the whole draft accepted, the guessed bonus right) with the
-    tokens drafted ahead, at most K; after a miss the device drafts K afresh (an empty draft there left weak drafters
-    sending almost nothing). Finishing the token first sent the draft after the server's batching window, into the
-    step after the next. The drafter's cache must stay right meanwhile: the target's text,
-    no position evaluated twice with the same token (the drafter's table misses every fourth token; after a miss a
-    position is evaluated again, with the target's token), and nothing it holds off the committed text."""
+def _slow_cycle_run(**options):
+    """40 greedy tokens from a 10 ms-a-token drafter that misses every fourth token, verdicts 25 ms after each draft,
+    the adaptive controller held at K = 2; checks the text and the drafter's cache (no position evaluated twice with
+    the same token, nothing held off the committed text) and returns (drafter, result)."""
     async def main():
         drafter = SlowTable(cycle(1, 2, 3, 1), 0.01)
         result = await generate(FakeClient(0, 0.025, max_tokens=40, target=cycle(1, 2, 3, 0)), drafter, TOKENIZER,
                                 PROMPT, max_tokens=40, draft_tokens=2, adaptive=True, max_draft_tokens=8,
-                                controller=held_at_two())
+                                controller=held_at_two(), **options)
         return drafter, result
 
     drafter, result = asyncio.run(main())
     assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 40)
     assert len(drafter.fed) == len(set(drafter.fed))
     assert drafter._evaluated == (PROMPT + result.token_ids)[:len(drafter._evaluated)]
+    return drafter, result
+
+
+def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
+    """With the adaptive controller (held at K = 2, under a bound of 8) and drafting ahead, a verdict that comes while
+    the drafter is on a token drafted ahead (10 ms a token; each verdict 25 ms after its draft) is answered at once,
+    while the drafter finishes that token: after a hit (the whole draft accepted, the guessed bonus right) with the
+    tokens drafted ahead, at most K; after a miss, with empty drafts off (empty_after_miss=None, next test), the
+    device drafts K afresh. Finishing the token first sent the draft after the server's batching window, into the
+    step after the next. The drafter's cache must stay right meanwhile: the target's text,
+    no position evaluated twice with the same token (the drafter's table misses every fourth token; after a miss a
+    position is evaluated again, with the target's token), and nothing it holds off the committed text."""
+    drafter, result = _slow_cycle_run(empty_after_miss=None)
     assert result.answered_at_once >= 5
     assert result.draft_tokens >= result.rounds  # no empty draft: after a miss, 2 drafted afresh
     replies = np.array(result.round_replies[1:])
@@ -450,6 +458,23 @@ def test_answer_at_once_off_finishes_the_token_first():
     assert result.draft_tokens >= 2 * result.rounds - 2  # K = 2 but near the end of the request
     replies = np.array(result.round_replies[1:])
     assert (replies[:, 1] > 1.0).sum() >= len(replies) // 2  # most waited for the token being drafted
+
+
+@pytest.mark.parametrize("threshold,empty", [(0.5, True), (0.99, False)], ids=["strong", "weak"])
+def test_a_miss_is_answered_with_an_empty_draft_only_above_the_acceptance_threshold(threshold, empty):
+    """empty_after_miss: a miss answered at once goes out with no draft (the server's token alone, in the step that
+    verdict's window opens) where the controller's acceptance is at least the threshold, and with K drafted afresh
+    below it, so that a weak drafter keeps speculating. Here the drafter misses every fourth token (acceptance
+    about 0.7): above 0.5, under 0.99. The text and the drafter's cache must stay right either way."""
+    drafter, result = _slow_cycle_run(empty_after_miss=threshold)
+    replies = np.array(result.round_replies[1:])
+    slow = (replies[:, 0] > 15.0).sum()  # a draft of 2 drafted afresh after the verdict, 2 x 10 ms
+    if empty:
+        assert result.draft_tokens <= 2 * result.rounds - 5  # at least 3 empty drafts (2 under the rounds' K)
+        assert slow <= 2  # only before the controller has two rounds to estimate from
+    else:
+        assert result.draft_tokens >= result.rounds
+        assert slow >= 5
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded-draws", "fresh-draws"])
