@@ -45,8 +45,9 @@ TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN
                        "RESOURCE_EXHAUSTED"})
 FALLBACKS = ("wait", "local", "fail")
 # The acceptance (the adaptive controller's estimate) from which a miss answered at once gets an empty draft. Measured
-# side by side on the 2-core CPU host (docs/benchmarks.md, the sections with 'an empty draft after a miss'; the real
-# pair, acceptance 0.92-0.95): 1.04-1.05x the tok/s of drafting K afresh at 4 devices, 0.98x at 32. Always empty
+# side by side on the 2-core CPU host (docs/benchmarks.md, the main section and the sections with 'an empty draft after
+# a miss'; the real pair, acceptance 0.92-0.95): 1.01-1.05x the tok/s of drafting K afresh at 4 devices, 0.98-1.02x at
+# 32. Always empty
 # (commit d1c17cb) left the 6-layer ONNX drafter, accepted almost never, sending nothing.
 EMPTY_AFTER_MISS = 0.8
 
@@ -456,9 +457,8 @@ class _Generation:
         any acceptance left a weak drafter, whose guess of the bonus is rarely right, sending almost nothing: the
         server decoded alone). Drafting the rest first sent it after the server's batching window, into the step
         after the one that window opened, and a device answering in time alternated with one that did not: the
-        server's steps held
-        about half the devices (2.1 of 4 on this repository's CPU host, 15.3 of 32 on an H100). A fixed K
-        drafts it whole."""
+        server's steps held about half the devices (2.1 of 4 on this repository's CPU host, 15.3 of 32 on an
+        H100). A fixed K drafts it whole."""
         if (self.answer_at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None
                 and self.carry is not None and self.carry.token_ids):
             k = min(k, len(self.carry.token_ids))

@@ -161,7 +161,8 @@ class ReplayDrafter:
 
 K_MAX = 8
 # The adaptive configurations' JSON modes: the default (`sled`), waiting for each verdict instead of drafting ahead,
-# and finishing the token being drafted ahead before answering a verdict (the device before commit d1c17cb).
+# finishing the token being drafted ahead before answering a verdict (the device before commit d1c17cb), and drafting
+# K afresh after every miss (the device before the empty draft after a miss).
 VARIANTS = {"adaptive": "sled", "no-ahead": "sled-no-ahead", "finish-first": "sled-finish-first",
             "afresh-after-miss": "sled-afresh-after-miss"}
 
@@ -977,8 +978,7 @@ def main() -> int:
         costs = [("before the runs", step_costs_alone(address, tokenizer, ids, top))]
         print("[bench] the server's step alone (tokens: ms): "
               + ", ".join(f"{k}: {v:.1f}" for k, v in costs[0][1].items()), flush=True)
-        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", "adaptive", "no-ahead", "finish-first",
-                                                 "afresh-after-miss")]
+        plan = [(n, m) for n in counts for m in ("server-only", "2", "4", "8", *VARIANTS)]
         # Every configuration runs --repeats times, the order reversed on every other pass so that a slow
         # stretch of this shared machine does not fall on one configuration; the median run is reported.
         order = [(rep, cfg) for rep in range(args.repeats) for cfg in (plan if rep % 2 == 0 else plan[::-1])]
