@@ -259,7 +259,10 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--target", "random:llama-tiny", "--draft-match", str(match),
                            "--devices", "1", "--seconds", "1.5", "--warmup-s", "0.3",
                            "--repeats", "1", "--recordings", "2", "--max-tokens", "16", "--markdown", str(md),
-                           "--json", str(rows_path), "--out-dir", str(plots)],
+                           "--json", str(rows_path), "--out-dir", str(plots),
+                           # set, not timed at start-up: on a host busy with other work the timing of this tiny
+                           # model found the fused step never faster (0 tokens), and the kernels line below differed
+                           "--server-arg=--fused-max-tokens=48"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(rows_path.read_text())
@@ -286,9 +289,9 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert sled["drafting_ms_per_token"] >= 10.0 - 1e-6
     assert re.search(r"- the replayed devices drafted at [\d.]+-[\d.]+ ms/token \(median [\d.]+\) over the counted "
                      r"runs, 10\.00 asked", text)
-    # the server's kernels from its Info (float32 on CPU: the fused step, its threshold calibrated at start-up)
+    # the server's kernels from its Info (float32 on CPU: the fused step, up to the threshold the server was given)
     assert re.search(r"- server kernels: cpu float32, sdpa attention, \w+ linear; the fused CPU step for steps of up "
-                     r"to [1-9]\d* tokens \(unless set, timed against PyTorch at start-up\), PyTorch above\n", text)
+                     r"to 48 tokens \(unless set, timed against PyTorch at start-up\), PyTorch above\n", text)
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
     assert "- 1 devices: adaptive " in text and "capacity (largest tested device count" in text
     assert ("SLED / server-only ≤ device-only / server-only × (1 + max(0, 1 − r·s) / K), at the sled rows' K and step "
