@@ -359,7 +359,10 @@ SLED_BLOCK(8)
  * side by side, 4 interleaved passes) server-only, whose steps are 4 tokens, committed 1.11-1.16x the tokens a
  * second; SLED 0.98-1.02x. On the AVX2 EPYC (64-byte panel rows) prefetching from 3 rows measured 0.83-0.94x the
  * time at 3 to 12 rows (the first-block form, against none), so narrower panels keep it from 3.
- * SLED_PREFETCH_MIN_ROWS sets the threshold, for such a comparison.
+ * SLED_PREFETCH_MIN_ROWS sets the threshold, for such a comparison. On an Intel AVX-512 host (a 2-core VM,
+ * -march=native rocketlake) the whole step took 1.05x the time at 1 token, 1.12x at 2 and 1.27-1.39x at 3 to 7
+ * prefetching from 8 rows against from 1 (scripts/bench_fused_builds.py, the same logits bit for bit; 0.99-1.00x at
+ * 8, 12 and 16), so kernels/cpu_step.py builds Intel AVX-512 CPUs with SLED_PREFETCH_MIN_ROWS=1 (host_defines).
  * AVX-512's 32 registers take blocks of 8 rows (16 accumulators). A block is up to MR rows (8 there) where two
  * blocks take the batch and up to MR_MANY (6) where more are needed. Measured on the AVX-512 EPYC against 6 rows
  * a block at every size (both builds in one process, interleaved, medians of 6 rounds, the same logits bit for

@@ -35,14 +35,37 @@ class CpuStepUnavailable(RuntimeError):
     """The fused CPU step cannot run here (no compiler, a failed build, an unsupported model or dtype)."""
 
 
-def _cpu_id() -> str:
+def _cpuinfo(*keys: str) -> str:
+    """The first line of /proc/cpuinfo that starts with one of `keys` ('' where there is none or no such file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return ""
+
+
+def _cpu_id() -> str:
+    return _cpuinfo("flags", "Features") or platform.processor()
+
+
+def host_defines(vendor: str | None = None, flags: str | None = None) -> tuple[str, ...]:
+    """The defines of this CPU's own build beyond what -march=native decides: where the best setting was measured
+    to depend on the vendor, not the instruction set. `vendor` and `flags` are /proc/cpuinfo's lines (read here
+    when None).
+
+    AVX-512 prefetches the next panel from 8 rows by default, as measured on an AMD EPYC (cpu_step.c, at
+    SLED_PREFETCH_MIN_ROWS). On an Intel host with AVX-512 (a 2-core VM, -march=native rocketlake) prefetching from
+    1 row measured faster at every size below 8 and the same above: one session's forward of SmolLM2-135M
+    (scripts/bench_fused_builds.py, both builds in one process, interleaved; docs/benchmarks.md) took 1.05x the
+    time at 1 token, 1.12x at 2 and 1.27-1.39x at 3 to 7 without it, 0.99-1.00x at 8, 12 and 16, the same logits
+    bit for bit."""
+    vendor = _cpuinfo("vendor_id") if vendor is None else vendor
+    flags = _cpu_id() if flags is None else flags
+    if "GenuineIntel" in vendor and "avx512f" in flags.split():
+        return ("SLED_PREFETCH_MIN_ROWS=1",)
+    return ()
 
 
 def cache_dir() -> Path:
@@ -51,12 +74,23 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-@functools.cache  # one build and one load per process (per set of defines and flags)
 def load_library(defines: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Build kernels/cpu_step.c for this CPU if no cached build matches, then load it. `defines` ("NAME=VALUE"),
     for tests and sweeps: a vector width or register blocking other than this CPU's default (SLED_VBYTES, NV, MR);
-    `flags`, compiler flags after the usual ones (a test builds for AVX2 alone on an AVX-512 host with
-    -mno-avx512f)."""
+    none gives this CPU's own build (with `host_defines()`). `flags`, compiler flags after the usual ones (a test
+    builds for AVX2 alone on an AVX-512 host with -mno-avx512f)."""
+    if not defines and not flags:
+        return _load(_own_defines(), ())
+    return _load(tuple(defines), tuple(flags))
+
+
+@functools.cache  # read /proc/cpuinfo once: load_library() is called on every step
+def _own_defines() -> tuple[str, ...]:
+    return host_defines()
+
+
+@functools.cache  # one build and one load per process (per set of defines and flags)
+def _load(defines: tuple[str, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise CpuStepUnavailable(f"no C compiler ({compiler!r} not found)")

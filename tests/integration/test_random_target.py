@@ -356,3 +356,50 @@ def test_bench_fused_refuses_the_options_it_sets_itself(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--server-arg are set by this script" in done.stderr
     assert not (tmp_path / "b.md").exists()
+
+
+def test_bench_fused_builds_compares_each_build_with_the_cpu_s_own_and_writes_its_section(tmp_path):
+    """bench_fused_builds on the tiny random target: the CPU's own build and two others (one with another panel
+    width, which packs the weights its own way), every token count timed for each, the same logits bit for bit (a
+    define that moves work between rows and threads must not change a sum's order within a row)."""
+    import json
+    import subprocess
+    import sys
+
+    from kernels.cpu_step import host_defines
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_fused_builds.py"
+    md, rows_path = tmp_path / "bench.md", tmp_path / "rows.json"
+    md.write_text("# Benchmarks\n\n## Engine speed: kept\n\nother section\n")
+    builds = ["SLED_PREFETCH_MIN_ROWS=8", "SLED_VBYTES=64,NV=1,MR=4"]
+    done = subprocess.run([sys.executable, str(script), "--target", "random:llama-tiny", "--tokens", "1,3,9",
+                           "--rounds", "2", "--steps", "2", "--markdown", str(md), "--json", str(rows_path),
+                           *[a for b in builds for a in ("--defines", b)]], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(rows_path.read_text())
+    assert [(r["tokens"], r["build"]) for r in rows] == [(n, b) for n in (1, 3, 9) for b in ["own", *builds]]
+    for r in rows:
+        assert r["p50_ms"] > 0
+        if r["build"] == "own":
+            assert r["defines"] == list(host_defines())
+        else:
+            assert r["same_logits"] is True and r["ratio_to_own"] > 0 and r["defines"] == r["build"].split(",")
+    text = md.read_text()
+    assert "## Engine speed: kept\n\nother section" in text
+    assert "## Fused CPU step: builds side by side" in text
+    assert "| tokens | own build p50 ms | `SLED_PREFETCH_MIN_ROWS=8` p50 ms | `SLED_PREFETCH_MIN_ROWS=8` / own |" in text
+    own9 = next(r for r in rows if r["tokens"] == 9 and r["build"] == "own")
+    other9 = next(r for r in rows if r["tokens"] == 9 and r["build"] == builds[1])
+    assert f"| 9 | {own9['p50_ms']:.1f} |" in text and f"| {other9['ratio_to_own']:.2f}x | yes |" in text
+
+
+def test_bench_fused_builds_refuses_a_malformed_build(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_fused_builds.py"
+    for bad in ("MR", "1MR=4", ""):
+        done = subprocess.run([sys.executable, str(script), "--defines", bad, "--markdown", str(tmp_path / "b.md")],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "a build is NAME=VALUE" in done.stderr, (bad, done.stderr)
+    assert not (tmp_path / "b.md").exists()

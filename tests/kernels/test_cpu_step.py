@@ -92,6 +92,8 @@ LAYOUTS = {
     "avx2-8x2x6-full-blocks-first": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_BALANCED_BLOCKS=0"),
     # 32-float panels prefetch from 8 rows; the earlier threshold (3), kept buildable for comparisons
     "avx512-16x2x6-prefetch-from-3": ("SLED_VBYTES=64", "NV=2", "MR=6", "SLED_PREFETCH_MIN_ROWS=3"),
+    # what Intel AVX-512 CPUs build (host_defines): the next panel prefetched from one row, every block size
+    "avx512-16x2x8-prefetch-from-1": ("SLED_VBYTES=64", "NV=2", "MR=8", "SLED_PREFETCH_MIN_ROWS=1"),
 }
 # The 8-float layouts are built without AVX-512 on x86, so an AVX-512 host builds what an AVX2-only CPU builds
 # (an intrinsic whose header was included for AVX-512 alone once broke the build on AVX2 CPUs only).
@@ -270,6 +272,21 @@ def test_fused_modes():
     assert ModelRunner(model.to(torch.bfloat16), half, fused="auto").fused is None  # float32 only: PyTorch
     with pytest.raises(ValueError, match="fused: on, but"):
         ModelRunner(model, half, fused="on")
+
+
+def test_intel_avx512_cpus_build_with_the_next_panel_prefetched_from_one_row():
+    from kernels import cpu_step
+
+    intel, amd = "vendor_id\t: GenuineIntel", "vendor_id\t: AuthenticAMD"
+    avx512, avx2 = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512vl", "flags\t\t: fpu sse2 avx avx2 fma"
+    assert cpu_step.host_defines(intel, avx512) == ("SLED_PREFETCH_MIN_ROWS=1",)
+    assert cpu_step.host_defines(amd, avx512) == ()  # measured better from 8 rows (cpu_step.c)
+    assert cpu_step.host_defines(intel, avx2) == ()  # not measured: the AVX2 default (3 rows) stays
+    assert cpu_step.host_defines("", "Features\t: fp asimd") == ()  # an ARM CPU
+    assert cpu_step.host_defines(intel, "flags\t\t: avx512fx") == ()  # a whole flag, not a prefix
+    # this CPU's own build is the one with its host defines, loaded once
+    assert load_library() is cpu_step._load(cpu_step.host_defines(), ())
+    assert load_library() is load_library()
 
 
 def test_vector_exp_is_within_a_few_ulp():
