@@ -46,7 +46,7 @@ TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN
 FALLBACKS = ("wait", "local", "fail")
 # The acceptance (the adaptive controller's estimate) from which a miss answered at once gets an empty draft. Measured
 # side by side on the 2-core CPU host (docs/benchmarks.md, the main section and the sections with 'an empty draft after
-# a miss'; the real pair, acceptance 0.92-0.95): 1.01-1.05x the tok/s of drafting K afresh at 4 devices, 0.98-1.02x at
+# a miss'; the real pair, acceptance 0.92-0.95): 1.01-1.05x the tok/s of drafting K afresh at 4 devices, 0.98-1.05x at
 # 32. Always empty
 # (commit d1c17cb) left the 6-layer ONNX drafter, accepted almost never, sending nothing.
 EMPTY_AFTER_MISS = 0.8
