@@ -237,13 +237,21 @@ def prompts(tokenizer, n):
 
 
 class Timeline:
-    """A device's drafter, noting when each round's tokens are committed (the drafter's accept)."""
+    """A device's drafter, noting when each round's tokens are committed (the drafter's accept) and when it drafted."""
 
     def __init__(self, drafter, on_commit=None):
         self.drafter, self.commits, self.on_commit = drafter, [], on_commit
+        self.drafting: list[tuple[float, float]] = []  # when the drafter drafted: (start, end) of each propose call
 
     def __getattr__(self, name):
         return getattr(self.drafter, name)
+
+    def propose(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.drafter.propose(*args, **kwargs)
+        finally:
+            self.drafting.append((t0, time.perf_counter()))
 
     def accept(self, context, ahead=()):
         self.commits.append(time.perf_counter())
@@ -270,6 +278,10 @@ class Window:
     # the devices' replies to the verdict before each of those rounds, as generate() timed them: (ms, ms of it
     # finishing the token being drafted ahead); nan for a session's first round
     replies: list[tuple[float, float]] = field(default_factory=list)
+    # per device, when its drafter drafted (start, end) and when each of its requests ended (its final verdict), over
+    # the whole run; with the window's start (perf_counter), for drafting_use
+    drafting: list[tuple[list[tuple[float, float]], list[float]]] = field(default_factory=list)
+    start: float = 0.0
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -301,7 +313,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     first_commit = [False] * n  # written from the drafting threads; read by window()
 
     async def device(d):
-        rounds, results, steps, replies, j = [], [], [], [], 0
+        rounds, results, steps, replies, drafting, ends, j = [], [], [], [], [], [], 0
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
         while time.perf_counter() < end:
@@ -316,8 +328,11 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             steps += [x for x, keep in zip(r.round_steps, inside) if keep]
             replies += [x for x, keep in zip(r.round_replies, inside) if keep]
             results.append(r)
+            drafting += drafter.drafting
+            if drafter.commits:  # its final verdict (one cut at the window's end comes after the window)
+                ends.append(drafter.commits[-1])
             j += 1
-        return rounds, results, steps, replies
+        return rounds, results, steps, replies, (drafting, ends)
 
     async def window():
         nonlocal start, end
@@ -339,7 +354,8 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         await client.close()
     before, after, opened_s, stolen, devices_cpu = done[0]
     return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s,
-                  stolen, devices_cpu, [x for d in done[1:] for x in d[2]], [x for d in done[1:] for x in d[3]])
+                  stolen, devices_cpu, [x for d in done[1:] for x in d[2]], [x for d in done[1:] for x in d[3]],
+                  [d[4] for d in done[1:]], t0 + opened_s)
 
 
 def summarize(mode, n, w: Window):
@@ -374,8 +390,43 @@ def summarize(mode, n, w: Window):
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
         "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
         "server_step_sizes": step_sizes(w.steps),
+        **drafting_figures(w),
         **reply_figures(w.replies),
     }
+
+
+def drafting_use(intervals: list[tuple[float, float]], ends: list[float], start: float, end: float
+                 ) -> tuple[float, float]:
+    """One device's drafter inside the window [start, end): (the share of it spent drafting; the share it stood idle
+    around the end of a request: in the gap between drafting that holds a request's final verdict, from the last
+    token drafted before it to the first of the next request). The rest of the idle time falls inside requests.
+    `intervals` are the drafter's (start, end) of each propose call, in any order, never overlapping (one drafter a
+    device); `ends` the times of the requests' final verdicts."""
+    length = end - start
+    if length <= 0:
+        return float("nan"), float("nan")
+
+    def inside(a: float, b: float) -> float:
+        return max(0.0, min(b, end) - max(a, start))
+
+    spans = sorted(intervals)
+    busy = sum(inside(a, b) for a, b in spans)
+    idle = 0.0
+    for f in ends:
+        before = [b for a, b in spans if a <= f]
+        after = [a for a, _ in spans if a > f]
+        idle += inside(max(before) if before else start, min(after) if after else end)
+    return busy / length, idle / length
+
+
+def drafting_figures(w: Window) -> dict:
+    """The devices' drafting inside the window (drafting_use), averaged over the devices, as row fields; None where
+    the window holds no drafting record."""
+    if not w.drafting:
+        return {"drafting_busy_share": None, "drafting_idle_at_request_ends_share": None}
+    use = [drafting_use(spans, ends, w.start, w.start + w.seconds) for spans, ends in w.drafting]
+    return {"drafting_busy_share": float(np.mean([u[0] for u in use])),
+            "drafting_idle_at_request_ends_share": float(np.mean([u[1] for u in use]))}
 
 
 def reply_figures(replies: list[tuple[float, float]]) -> dict:
@@ -701,6 +752,7 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
              + ", ".join(f"{n} devices {c:.2f}x (K {by[('sled', n)]['mean_draft_tokens']:.2f}, r·s "
                          f"{drafting_per_step(by[('device-only', n)]['system_tokens_per_s'], n, by[('sled', n)]['server_step_ms']):.2f})"
                          for n, c in zip(counts, ceilings)) + "\n")
+    drafting = drafting_use_line(counts, by)
     served = []
     for n in counts:
         sled, base = by[("sled", n)], by[("server-only", n)]
@@ -744,7 +796,34 @@ def report_tables(counts: list[int], rows: list[dict], adaptive_rows: list[dict]
     return {"by": by, "main": lines, "k": alines, "ahead": wlines, "answer": answer, "afresh": afresh,
             "capacity": capacity,
             "verdicts": verdicts, "overhead": overhead, "bound": bound, "server_side": server_side, "alone": alone,
-            "stolen": stolen_line(rows + adaptive_rows + waiting_rows), "devices_cpu": devices_cpu_line(counts, by)}
+            "stolen": stolen_line(rows + adaptive_rows + waiting_rows), "devices_cpu": devices_cpu_line(counts, by),
+            "drafting": drafting}
+
+
+def drafting_use_line(counts: list[int], by: dict) -> str:
+    """Where the sled rows' devices fall short of their drafters' own rate: the share of the window each drafter
+    drafted (drafting_use) and what each token's drafting time brought in committed tokens, whose product with the
+    rate reached is the per-device rate. Empty for rows without the drafting record (from before it)."""
+    parts = []
+    for n in counts:
+        r = by[("sled", n)]
+        busy, ends = r.get("drafting_busy_share"), r.get("drafting_idle_at_request_ends_share")
+        ms = r.get("drafting_ms_per_token")
+        if busy is None or ends is None or ms is None or np.isnan(ms):
+            continue
+        rate = 1000.0 / ms
+        got = ratio(r["per_device_tokens_per_s"], busy * rate)
+        parts.append(f"{n} devices busy {busy:.0%}, idle {ends:.0%} around requests' ends and {1 - busy - ends:.0%} "
+                     f"inside them, {got:.2f} committed per token drafted ({rate:.1f} × {busy:.2f} × {got:.2f} = "
+                     f"{r['per_device_tokens_per_s']:.1f} tok/s a device)")
+    if not parts:
+        return ""
+    return ("- where the devices fall short of their drafters' rate (sled rows): the share of the window each drafter "
+            "spent drafting, the share it stood idle around the end of a request (from its last token drafted before "
+            "the request's final verdict to its first of the next request) and inside requests, and the tokens "
+            "committed per token's drafting time (below 1 where drafts ahead are thrown away after a miss, above "
+            "where the server's own tokens add to them); the drafting rate reached × busy × that is the per-device "
+            "rate: " + ", ".join(parts) + "\n")
 
 
 def load_line(counts: list[int], by: dict, costs: list[tuple[str, dict[int, float]]]) -> str:
@@ -1074,7 +1153,7 @@ def main() -> int:
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
         "below likewise give adaptive / the best fixed K of each pass)\n"
         + stolen + t["devices_cpu"] + reply_line(counts, by, args.max_wait_ms) + "\n"
-        + "\n".join(lines) + "\n\n" + bound + server_side + t["alone"] + "\n"
+        + "\n".join(lines) + "\n\n" + bound + t["drafting"] + server_side + t["alone"] + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "
         "processes sharing the cores: see the engine speed section (`scripts/bench_engine.py`)\n\n"

@@ -366,3 +366,42 @@ def test_the_afresh_table_sets_an_empty_draft_after_a_miss_against_drafting_k_af
     assert t["afresh"][2] == "| 4 | 150.0 | 125.0 | 1.20x | 4.0 / 3.0 | 0.2 / 0.3 | 1.20x, 1.12x, 1.12x |"
     assert t["answer"] == []
     assert [line.split(" |")[0] for line in t["ahead"][2:]] == ["| 4", "| 16"]
+
+
+def test_drafting_use_splits_the_window_into_drafting_idle_at_request_ends_and_idle_inside():
+    """A window of 10 s from t=100: the drafter drafts 100-103 and 104-106 in one request, whose final verdict comes at
+    106.5, and 108-112 in the next (past the window's end at 110). Busy 3 + 2 + 2 = 7 s; the gap holding the final
+    verdict, 106-108, is idle at a request's end (2 s); 103-104 is idle inside the request (1 s)."""
+    from scripts.bench_system import drafting_use
+
+    spans = [(108.0, 112.0), (100.0, 103.0), (104.0, 106.0)]  # any order
+    busy, ends = drafting_use(spans, [106.5], 100.0, 110.0)
+    assert busy == pytest.approx(0.7) and ends == pytest.approx(0.2)
+    # A gap only partly inside the window counts only there: a request that ended before the window opened at 107,
+    # and a final verdict past the window's end (a request cut there) adds nothing.
+    busy, ends = drafting_use(spans, [106.5, 115.0], 107.0, 110.0)
+    assert busy == pytest.approx(2 / 3) and ends == pytest.approx(1 / 3)
+    # A final verdict that came while the drafter was on a token: the idle time starts once that token is done.
+    busy, ends = drafting_use([(100.0, 106.0), (107.0, 110.0)], [105.9], 100.0, 110.0)
+    assert busy == pytest.approx(0.9) and ends == pytest.approx(0.1)
+    # No drafting at all after the last request's end: idle to the window's end.
+    assert drafting_use([(100.0, 105.0)], [105.0], 100.0, 110.0) == pytest.approx((0.5, 0.5))
+    assert all(math.isnan(x) for x in drafting_use([], [], 100.0, 100.0))
+
+
+def test_the_drafting_line_gives_busy_idle_and_what_each_drafted_token_brought():
+    from scripts.bench_system import drafting_use_line
+
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    rows += [device_only(4), device_only(16)]
+    by = {(r["mode"], r["devices"]): r for r in rows}
+    # 4 devices: sled commits 150 tok/s, 37.5 a device; its drafters reached 10 ms/token (100 tok/s) and drafted
+    # 75% of the window: 75 tokens' drafting time a second brought 37.5 committed, 0.50 each
+    by[("sled", 4)].update(drafting_busy_share=0.75, drafting_idle_at_request_ends_share=0.2, drafting_ms_per_token=10.0)
+    line = drafting_use_line([4, 16], by)
+    assert line.endswith(": 4 devices busy 75%, idle 20% around requests' ends and 5% inside them, 0.50 committed "
+                         "per token drafted (100.0 × 0.75 × 0.50 = 37.5 tok/s a device)\n")
+    assert "16 devices" not in line  # a row without the record (from before it) is left out
+    assert report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)["drafting"] == line
+    del by[("sled", 4)]["drafting_busy_share"]
+    assert drafting_use_line([4, 16], by) == ""

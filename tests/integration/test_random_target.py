@@ -186,6 +186,11 @@ def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server,
     assert len(w.replies) == len(w.steps)
     reply, drafting = row["device_reply_ms"], row["device_reply_drafting_ms"]
     assert 0 < reply[0] <= reply[1] and 0 <= drafting[0] <= drafting[1] and drafting[0] <= reply[0]
+    # and each device's drafting in the window: busy part of it, idle around requests' ends (8-token requests back
+    # to back) part of the rest
+    assert len(w.drafting) == 2 and all(spans and ends for spans, ends in w.drafting)
+    busy, ends = row["drafting_busy_share"], row["drafting_idle_at_request_ends_share"]
+    assert 0 < busy < 1 and 0 < ends <= 1 - busy
 
 
 def test_the_window_opens_only_once_every_device_has_committed(tiny_server, tokenizer):
@@ -309,6 +314,16 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     # the devices' replies to verdicts, against the batching window the script gave the server
     assert re.search(r"- the devices' replies to verdicts: .* the server's batching window was 3 ms: 1 devices sled "
                      r"[\d.]+ / [\d.]+ \([\d.]+ / [\d.]+\), server-only [\d.]+ / [\d.]+ \(0\.0 / 0\.0\)\n", text)
+    # where the devices fall short of their drafters' rate: the parts of the window, and their product
+    found = re.search(r"- where the devices fall short of their drafters' rate \(sled rows\): .*: 1 devices busy (\d+)%, "
+                      r"idle (\d+)% around requests' ends and (-?\d+)% inside them, ([\d.]+) committed per token "
+                      r"drafted \(([\d.]+) × ([\d.]+) × ([\d.]+) = ([\d.]+) tok/s a device\)\n", text)
+    assert found, text
+    busy, ends, inner = (int(x) for x in found.groups()[:3])
+    assert 0 < busy < 100 and 0 < ends and 0 <= inner and busy + ends + inner in (99, 100, 101)
+    assert float(found[7]) == float(found[4]) and float(found[5]) * float(found[6]) * float(found[7]) == \
+        pytest.approx(float(found[8]), rel=0.02)
+    assert float(found[8]) == pytest.approx(sled["per_device_tokens_per_s"], abs=0.06)
     # the verdict, pass by pass (one repeat: one pass)
     assert re.search(r"- 1 devices: adaptive .* tok/s vs best fixed K=\d .*; pass by pass [\d.]+x, median [\d.]+x\n", text)
     assert sorted(p.name for p in plots.iterdir()) == ["bench_system_p95_inter_token_ms.png",
