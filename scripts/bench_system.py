@@ -411,12 +411,12 @@ def drafting_use(intervals: list[tuple[float, float]], ends: list[float], start:
 
     spans = sorted(intervals)
     busy = sum(inside(a, b) for a, b in spans)
-    idle = 0.0
+    gaps = set()  # a gap holding two requests' ends (a request that drafted nothing) counts once
     for f in ends:
         before = [b for a, b in spans if a <= f]
         after = [a for a, _ in spans if a > f]
-        idle += inside(max(before) if before else start, min(after) if after else end)
-    return busy / length, idle / length
+        gaps.add((max(before) if before else start, min(after) if after else end))
+    return busy / length, sum(inside(a, b) for a, b in gaps) / length
 
 
 def drafting_figures(w: Window) -> dict:

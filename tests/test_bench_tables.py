@@ -384,6 +384,8 @@ def test_drafting_use_splits_the_window_into_drafting_idle_at_request_ends_and_i
     # A final verdict that came while the drafter was on a token: the idle time starts once that token is done.
     busy, ends = drafting_use([(100.0, 106.0), (107.0, 110.0)], [105.9], 100.0, 110.0)
     assert busy == pytest.approx(0.9) and ends == pytest.approx(0.1)
+    # A request that drafted nothing puts two ends in one gap, which counts once.
+    assert drafting_use(spans, [106.5, 107.0], 100.0, 110.0) == pytest.approx((0.7, 0.2))
     # No drafting at all after the last request's end: idle to the window's end.
     assert drafting_use([(100.0, 105.0)], [105.0], 100.0, 110.0) == pytest.approx((0.5, 0.5))
     assert all(math.isnan(x) for x in drafting_use([], [], 100.0, 100.0))
