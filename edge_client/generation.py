@@ -86,6 +86,9 @@ class GenerationResult:
     # round's draft going out, ms of it spent finishing the token being drafted ahead when it came); nan for a
     # session's first round, which answers no verdict
     round_replies: list[tuple[float, float]] = field(default_factory=list)
+    # per verified round, how long its draft waited at the server through earlier steps (Verdict.queue_ms): more than
+    # 0 where it arrived while another step ran
+    round_queue_ms: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
     finish_reason: str | None = None
     drafter: str = ""
@@ -370,6 +373,7 @@ class _Generation:
             r.round_tokens.append(len(committed))
             r.round_steps.append((verdict.step_tokens, verdict.step_ms, verdict.step_sessions))
             r.round_replies.append(reply)
+            r.round_queue_ms.append(verdict.queue_ms)
             self.answering = (self.verdict_at, max(0.0, t_ahead - self.verdict_at) * 1000.0)
             # Drafted ahead on the guess that the server accepts everything and its bonus token is the
             # drafter's own next one: when it is, the rest continues the new context exactly.

@@ -282,6 +282,8 @@ class Window:
     # the whole run; with the window's start (perf_counter), for drafting_use
     drafting: list[tuple[list[tuple[float, float]], list[float]]] = field(default_factory=list)
     start: float = 0.0
+    # per counted round, how long its draft waited at the server through earlier steps (ms, Verdict.queue_ms)
+    queued: list[float] = field(default_factory=list)
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -313,7 +315,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     first_commit = [False] * n  # written from the drafting threads; read by window()
 
     async def device(d):
-        rounds, results, steps, replies, drafting, ends, j = [], [], [], [], [], [], 0
+        rounds, results, steps, replies, queued, drafting, ends, j = [], [], [], [], [], [], [], 0
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
         while time.perf_counter() < end:
@@ -327,12 +329,13 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             rounds += [x for x, keep in zip(zip(drafter.commits, r.round_tokens, r.round_times), inside) if keep]
             steps += [x for x, keep in zip(r.round_steps, inside) if keep]
             replies += [x for x, keep in zip(r.round_replies, inside) if keep]
+            queued += [x for x, keep in zip(r.round_queue_ms, inside) if keep]
             results.append(r)
             drafting += drafter.drafting
             if drafter.commits:  # its final verdict (one cut at the window's end comes after the window)
                 ends.append(drafter.commits[-1])
             j += 1
-        return rounds, results, steps, replies, (drafting, ends)
+        return rounds, results, steps, replies, queued, (drafting, ends)
 
     async def window():
         nonlocal start, end
@@ -355,7 +358,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     before, after, opened_s, stolen, devices_cpu = done[0]
     return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s,
                   stolen, devices_cpu, [x for d in done[1:] for x in d[2]], [x for d in done[1:] for x in d[3]],
-                  [d[4] for d in done[1:]], t0 + opened_s)
+                  [d[5] for d in done[1:]], t0 + opened_s, queued=[x for d in done[1:] for x in d[4]])
 
 
 def summarize(mode, n, w: Window):
@@ -392,6 +395,7 @@ def summarize(mode, n, w: Window):
         "server_step_sizes": step_sizes(w.steps),
         **drafting_figures(w),
         **reply_figures(w.replies),
+        **queue_figures(w.queued),
     }
 
 
@@ -438,6 +442,17 @@ def reply_figures(replies: list[tuple[float, float]]) -> dict:
         return {"device_reply_ms": None, "device_reply_drafting_ms": None}
     return {"device_reply_ms": [float(np.percentile(timed[:, 0], q)) for q in (50, 90)],
             "device_reply_drafting_ms": [float(np.percentile(timed[:, 1], q)) for q in (50, 90)]}
+
+
+def queue_figures(queued: list[float]) -> dict:
+    """The counted rounds' waits at the server through earlier steps (Window.queued) as row fields: the share of
+    drafts that arrived while another step ran and waited for it to end, and the median of those waits (ms; None
+    where no draft waited, or no round was counted)."""
+    if not queued:
+        return {"queued_drafts_share": None, "queued_drafts_wait_ms": None}
+    waited = [x for x in queued if x > 0]
+    return {"queued_drafts_share": len(waited) / len(queued),
+            "queued_drafts_wait_ms": float(np.median(waited)) if waited else None}
 
 
 def step_sizes(steps: list[tuple[int, float, int]]) -> list[list[float]]:
@@ -867,27 +882,55 @@ def devices_cpu_line(counts: list[int], by: dict) -> str:
             f"host's {os.cpu_count()}: " + "; ".join(parts) + "\n")
 
 
+def mode_cells(counts: list[int], by: dict, cell) -> list[str]:
+    """Per count, '<n> devices ' and the cells `cell(mode, row)` gives for its sled and server-only rows, the
+    None ones left out; counts without any cell are left out."""
+    parts = []
+    for n in counts:
+        cells = [c for mode in ("sled", "server-only") if (c := cell(mode, by[(mode, n)])) is not None]
+        if cells:
+            parts.append(f"{n} devices " + ", ".join(cells))
+    return parts
+
+
 def reply_line(counts: list[int], by: dict, max_wait_ms: float) -> str:
     """A line on how fast the devices answered each verdict with their next draft in the reported (median) runs of sled
     and server-only, against the server's batching window, or '' where the rows have no such figures. A draft that
     reaches the server within the window after a step joins the next step; one that comes later waits a step more,
     and at a busy server the devices can fall into two groups that take turns, each step holding about half of them
     (SLED's 'batch' column at 4 devices here, and at 32 on the H100)."""
-    parts = []
-    for n in counts:
-        cells = []
-        for mode in ("sled", "server-only"):
-            reply, drafting = by[(mode, n)].get("device_reply_ms"), by[(mode, n)].get("device_reply_drafting_ms")
-            if reply is not None and drafting is not None:
-                cells.append(f"{mode} {reply[0]:.1f} / {reply[1]:.1f} ({drafting[0]:.1f} / {drafting[1]:.1f})")
-        if cells:
-            parts.append(f"{n} devices " + ", ".join(cells))
+    def cell(mode: str, row: dict) -> str | None:
+        reply, drafting = row.get("device_reply_ms"), row.get("device_reply_drafting_ms")
+        if reply is None or drafting is None:
+            return None
+        return f"{mode} {reply[0]:.1f} / {reply[1]:.1f} ({drafting[0]:.1f} / {drafting[1]:.1f})"
+
+    parts = mode_cells(counts, by, cell)
     if not parts:
         return ""
     return ("- the devices' replies to verdicts: from a verdict's arrival to the next draft going out, median / 90th "
             "percentile ms, and in brackets the part spent finishing the token being drafted ahead when it came (where "
             "the tokens drafted ahead are fewer than the next draft, the rest is drafted after that too); the server's "
             f"batching window was {max_wait_ms:g} ms: " + "; ".join(parts) + "\n")
+
+
+def queued_line(counts: list[int], by: dict) -> str:
+    """A line on the drafts that reached the server while another step ran and so waited for it to end, in the
+    reported runs of sled and server-only (queue_figures): the share of the counted rounds, and the median of those
+    waits. Near half for SLED at many devices, where the devices answering one step's verdicts miss the next step's
+    start: the two groups reply_line tells of. '' where the rows have no such figures."""
+    def cell(mode: str, row: dict) -> str | None:
+        share, wait = row.get("queued_drafts_share"), row.get("queued_drafts_wait_ms")
+        if share is None:
+            return None
+        return f"{mode} {share:.0%}" + (f" ({wait:.1f} ms)" if wait is not None else "")
+
+    parts = mode_cells(counts, by, cell)
+    if not parts:
+        return ""
+    return ("- drafts that reached the server while another step ran, and waited for it to end before their own (the "
+            "share of the counted rounds, and in brackets the median of those waits, from each verdict's queue_ms): "
+            + "; ".join(parts) + "\n")
 
 
 def stolen_line(rows: list[dict]) -> str:
@@ -1152,7 +1195,7 @@ def main() -> int:
         + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
         "below likewise give adaptive / the best fixed K of each pass)\n"
-        + stolen + t["devices_cpu"] + reply_line(counts, by, args.max_wait_ms) + "\n"
+        + stolen + t["devices_cpu"] + reply_line(counts, by, args.max_wait_ms) + queued_line(counts, by) + "\n"
         + "\n".join(lines) + "\n\n" + bound + t["drafting"] + server_side + t["alone"] + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "

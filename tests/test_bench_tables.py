@@ -304,27 +304,61 @@ def test_reply_figures_take_the_median_and_90th_percentile_of_the_answered_verdi
     assert reply_figures([]) == {"device_reply_ms": None, "device_reply_drafting_ms": None}
 
 
+def reported_by(fields) -> tuple[dict, list[dict]]:
+    """synthetic_runs() with `fields(mode, median)` set on every run (the median runs are repeat 0; the other
+    repeats' figures must not show), reported at 4 and 16 devices: the rows by (mode, count), and the rows, which a
+    test may edit and report again with rereport()."""
+    runs = synthetic_runs()
+    for (n, mode), done in runs.items():
+        for r in done:
+            r.update(fields(mode, r["repeat"] == 0))
+    picked = pick_medians(runs)
+    return rereport(picked), picked
+
+
+def rereport(picked) -> dict:
+    rows, adaptive_rows, waiting_rows = picked
+    return report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
+                         slo_ms=150.0)["by"]
+
+
 def test_the_reply_line_gives_each_count_s_reported_runs_against_the_batching_window():
     from scripts.bench_system import reply_line
 
-    runs = synthetic_runs()
-    for (n, mode), done in runs.items():
-        for r in done:  # the median runs are repeat 0; other repeats carry figures that must not show
-            median = r["repeat"] == 0
-            r["device_reply_ms"] = [4.0, 9.0] if median and mode == "adaptive" else [0.5, 1.5] if median else [99, 99]
-            r["device_reply_drafting_ms"] = [3.0, 8.0] if median and mode == "adaptive" else [0.0, 0.0]
-    rows, adaptive_rows, waiting_rows = pick_medians(runs)
-    by = report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
-                       slo_ms=150.0)["by"]
+    by, picked = reported_by(lambda mode, median: {
+        "device_reply_ms": [4.0, 9.0] if median and mode == "adaptive" else [0.5, 1.5] if median else [99, 99],
+        "device_reply_drafting_ms": [3.0, 8.0] if median and mode == "adaptive" else [0.0, 0.0]})
     line = reply_line([4, 16], by, 3.0)
     assert "the server's batching window was 3 ms: " in line
     assert line.endswith(": 4 devices sled 4.0 / 9.0 (3.0 / 8.0), server-only 0.5 / 1.5 (0.0 / 0.0); "
                          "16 devices sled 4.0 / 9.0 (3.0 / 8.0), server-only 0.5 / 1.5 (0.0 / 0.0)\n")
-    for r in rows:
+    for r in picked[0]:
         r.pop("device_reply_ms", None)  # rows from before the field: no line
-    by = report_tables([4, 16], rows + [device_only(4), device_only(16)], adaptive_rows, waiting_rows,
-                       slo_ms=150.0)["by"]
-    assert reply_line([4, 16], by, 3.0) == ""
+    assert reply_line([4, 16], rereport(picked), 3.0) == ""
+
+
+def test_queue_figures_give_the_share_of_drafts_that_waited_through_a_step_and_their_median_wait():
+    from scripts.bench_system import queue_figures
+
+    got = queue_figures([0.0, 0.0, 12.0, 0.0, 30.0, 20.0, 0.0, 0.0])
+    assert got == {"queued_drafts_share": 0.375, "queued_drafts_wait_ms": 20.0}
+    assert queue_figures([0.0, 0.0]) == {"queued_drafts_share": 0.0, "queued_drafts_wait_ms": None}
+    assert queue_figures([]) == {"queued_drafts_share": None, "queued_drafts_wait_ms": None}
+
+
+def test_the_queued_line_gives_each_count_s_reported_runs():
+    from scripts.bench_system import queued_line
+
+    by, picked = reported_by(lambda mode, median: {
+        "queued_drafts_share": (0.55 if mode == "adaptive" else 0.1) if median else 0.99,
+        "queued_drafts_wait_ms": (25.0 if mode == "adaptive" else None) if median else 99.0})
+    line = queued_line([4, 16], by)
+    assert line.startswith("- drafts that reached the server while another step ran")
+    assert line.endswith("queue_ms): 4 devices sled 55% (25.0 ms), server-only 10%; "
+                         "16 devices sled 55% (25.0 ms), server-only 10%\n")
+    for r in picked[0]:
+        r.pop("queued_drafts_share", None)  # rows from before the field: no line
+    assert queued_line([4, 16], rereport(picked)) == ""
 
 
 def test_the_answer_table_sets_answering_at_once_against_finishing_first_pass_by_pass():

@@ -390,6 +390,7 @@ def test_each_round_times_the_reply_to_the_verdict_before_it():
         result = asyncio.run(main(ahead))
         replies = result.round_replies
         assert len(replies) == result.rounds >= 4
+        assert result.round_queue_ms == [6.0] * result.rounds  # each verdict's queue_ms, as the server sent it
         assert np.isnan(replies[0][0]) and np.isnan(replies[0][1])
         timed = np.array(replies[1:])
         assert (timed[:, 1] >= 0).all() and (timed[:, 1] < timed[:, 0]).all()  # the finishing is part of the reply

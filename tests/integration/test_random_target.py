@@ -314,6 +314,10 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     # the devices' replies to verdicts, against the batching window the script gave the server
     assert re.search(r"- the devices' replies to verdicts: .* the server's batching window was 3 ms: 1 devices sled "
                      r"[\d.]+ / [\d.]+ \([\d.]+ / [\d.]+\), server-only [\d.]+ / [\d.]+ \(0\.0 / 0\.0\)\n", text)
+    # the drafts that waited through an earlier step, from the verdicts' queue_ms
+    assert re.search(r"- drafts that reached the server while another step ran, .*: 1 devices sled \d+%( \([\d.]+ ms\))?, "
+                     r"server-only \d+%( \([\d.]+ ms\))?\n", text)
+    assert 0 <= sled["queued_drafts_share"] <= 1
     # where the devices fall short of their drafters' rate: the parts of the window, and their product
     found = re.search(r"- where the devices fall short of their drafters' rate \(sled rows\): .*: 1 devices busy (\d+)%, "
                       r"idle (\d+)% around requests' ends and (-?\d+)% inside them, ([\d.]+) committed per token "
