@@ -898,7 +898,7 @@ def reply_line(counts: list[int], by: dict, max_wait_ms: float) -> str:
     and server-only, against the server's batching window, or '' where the rows have no such figures. A draft that
     reaches the server within the window after a step joins the next step; one that comes later waits a step more,
     and at a busy server the devices can fall into two groups that take turns, each step holding about half of them
-    (SLED's 'batch' column at 4 devices here, and at 32 on the H100)."""
+    (SLED's 'batch' column at 16 and 32 devices here and at 32 on the H100; queued_line counts them)."""
     def cell(mode: str, row: dict) -> str | None:
         reply, drafting = row.get("device_reply_ms"), row.get("device_reply_drafting_ms")
         if reply is None or drafting is None:
@@ -917,8 +917,9 @@ def reply_line(counts: list[int], by: dict, max_wait_ms: float) -> str:
 def queued_line(counts: list[int], by: dict) -> str:
     """A line on the drafts that reached the server while another step ran and so waited for it to end, in the
     reported runs of sled and server-only (queue_figures): the share of the counted rounds, and the median of those
-    waits. Near half for SLED at many devices, where the devices answering one step's verdicts miss the next step's
-    start: the two groups reply_line tells of. '' where the rows have no such figures."""
+    waits. Over half of SLED's at 16 and 32 devices on the 2-core CPU host (62% and 78% in the main section's run at
+    6d37e11), where the devices answering one step's verdicts miss the next step's start: the two groups reply_line
+    tells of. '' where the rows have no such figures."""
     def cell(mode: str, row: dict) -> str | None:
         share, wait = row.get("queued_drafts_share"), row.get("queued_drafts_wait_ms")
         if share is None:
