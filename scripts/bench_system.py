@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import importlib.util
 import json
 import os
@@ -315,9 +316,12 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     first_commit = [False] * n  # written from the drafting threads; read by window()
 
     async def device(d):
-        rounds, results, steps, replies, queued, drafting, ends, j = [], [], [], [], [], [], [], 0
+        # per round committed inside the window, from each request: (time, tokens, seconds), the step that verified
+        # it, the reply before it, its wait through earlier steps; and over the whole run, the drafting and the ends
+        got = {"rounds": [], "steps": [], "replies": [], "queued": [], "results": [], "drafting": [], "ends": []}
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
+        j = 0
         while time.perf_counter() < end:
             p = (d + j) % len(prompt_ids)
             drafter = Timeline(make_drafter(p), on_commit=lambda: first_commit.__setitem__(d, True))
@@ -326,16 +330,16 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
                                controller=controller, should_stop=lambda: time.perf_counter() >= end,
                                answer_at_once=answer_at_once, empty_after_miss=empty_after_miss)
             inside = [start <= t < end for t in drafter.commits]
-            rounds += [x for x, keep in zip(zip(drafter.commits, r.round_tokens, r.round_times), inside) if keep]
-            steps += [x for x, keep in zip(r.round_steps, inside) if keep]
-            replies += [x for x, keep in zip(r.round_replies, inside) if keep]
-            queued += [x for x, keep in zip(r.round_queue_ms, inside) if keep]
-            results.append(r)
-            drafting += drafter.drafting
+            for key, per_round in (("rounds", zip(drafter.commits, r.round_tokens, r.round_times)),
+                                   ("steps", r.round_steps), ("replies", r.round_replies),
+                                   ("queued", r.round_queue_ms)):
+                got[key] += [x for x, keep in zip(per_round, inside) if keep]
+            got["results"].append(r)
+            got["drafting"] += drafter.drafting
             if drafter.commits:  # its final verdict (one cut at the window's end comes after the window)
-                ends.append(drafter.commits[-1])
+                got["ends"].append(drafter.commits[-1])
             j += 1
-        return rounds, results, steps, replies, queued, (drafting, ends)
+        return got
 
     async def window():
         nonlocal start, end
@@ -356,9 +360,15 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     finally:
         await client.close()
     before, after, opened_s, stolen, devices_cpu = done[0]
-    return Window(seconds, [d[0] for d in done[1:]], [r for d in done[1:] for r in d[1]], before, after, opened_s,
-                  stolen, devices_cpu, [x for d in done[1:] for x in d[2]], [x for d in done[1:] for x in d[3]],
-                  [d[5] for d in done[1:]], t0 + opened_s, queued=[x for d in done[1:] for x in d[4]])
+    devices = done[1:]
+
+    def joined(key: str) -> list:
+        return [x for dev in devices for x in dev[key]]
+
+    return Window(seconds, [dev["rounds"] for dev in devices], joined("results"), before, after, opened_s, stolen,
+                  devices_cpu, steps=joined("steps"), replies=joined("replies"),
+                  drafting=[(dev["drafting"], dev["ends"]) for dev in devices], start=t0 + opened_s,
+                  queued=joined("queued"))
 
 
 def summarize(mode, n, w: Window):
@@ -413,13 +423,13 @@ def drafting_use(intervals: list[tuple[float, float]], ends: list[float], start:
     def inside(a: float, b: float) -> float:
         return max(0.0, min(b, end) - max(a, start))
 
-    spans = sorted(intervals)
+    spans = sorted(intervals)  # never overlapping, so their ends are in order too
+    starts = [a for a, _ in spans]
     busy = sum(inside(a, b) for a, b in spans)
     gaps = set()  # a gap holding two requests' ends (a request that drafted nothing) counts once
     for f in ends:
-        before = [b for a, b in spans if a <= f]
-        after = [a for a, _ in spans if a > f]
-        gaps.add((max(before) if before else start, min(after) if after else end))
+        i = bisect.bisect_right(starts, f)  # spans[:i] began by f, spans[i:] after it
+        gaps.add((spans[i - 1][1] if i else start, spans[i][0] if i < len(spans) else end))
     return busy / length, sum(inside(a, b) for a, b in gaps) / length
 
 
