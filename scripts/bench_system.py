@@ -37,6 +37,11 @@ drafted position carries the target's next token with probability `--draft-match
 acceptance is controlled; `--device-ms-per-token` gives the drafting time. Where llama.cpp is not installed, the
 devices' tokenizer is the same vocabulary read through transformers.
 
+A GPU's step profile on this CPU (`--target random:llama-tiny --min-step-ms 14 --min-step-ms-per-token 0.1`): the
+server pads every forward of a tiny random target to that floor (its `--min-step-ms` flags), so a step costs
+nearly the same at any size, as on a GPU, and the devices' side of a GPU run (drafting ahead, the adaptive K, the
+batching window) can be studied without one. An emulation, not a GPU: the section says so.
+
 Load: a closed loop. Each device sends requests back to back (device d starts at prompt d and takes the prompts
 in turn) and the figures count what was committed in a window of --seconds that opens --warmup-s after the start,
 or later, once every device has committed its first round (at many devices the first prompts' prefill, all opened
@@ -997,6 +1002,11 @@ def main() -> int:
                          "and stop")
     ap.add_argument("--label", help="a name for this run's section of docs/benchmarks.md, beside the unlabelled one "
                                     "(e.g. 'devices drafting at 3 ms/token')")
+    ap.add_argument("--min-step-ms", type=float, default=0.0, metavar="MS",
+                    help="the server pads every forward to at least this long (with a tiny random target: a GPU's "
+                         "step profile on this CPU; default 0: off)")
+    ap.add_argument("--min-step-ms-per-token", type=float, default=0.0, metavar="MS",
+                    help="and this much more per token in the step (default 0)")
     ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG=VALUE",
                     help="extra sled-server flag, e.g. --server-arg=--dtype=bfloat16 (repeatable)")
     ap.add_argument("--repeats", type=int, default=5,
@@ -1052,7 +1062,12 @@ def main() -> int:
     if importlib.util.find_spec("llama_cpp") is None and (args.draft_match is None or args.device_ms_per_token is None):
         ap.error("llama.cpp is not installed here: give --draft-match and --device-ms-per-token (a --match-only "
                  "JSON file given to --draft-match carries both)")
+    if not (0 <= args.min_step_ms < 60_000 and 0 <= args.min_step_ms_per_token < 60_000):
+        ap.error("--min-step-ms and --min-step-ms-per-token must be in [0, 60000)")
     extra = [a for arg in args.server_arg for a in arg.split("=", 1)]
+    floor = args.min_step_ms > 0 or args.min_step_ms_per_token > 0
+    if floor:
+        extra += ["--min-step-ms", str(args.min_step_ms), "--min-step-ms-per-token", str(args.min_step_ms_per_token)]
     if args.target:
         extra += ["--target", args.target]
     if args.tokenizer:
@@ -1169,6 +1184,11 @@ def main() -> int:
                        f"{' (random weights)' if random_target else ''}; drafts: synthesized from the target's greedy "
                        f"output, each drafted position right with probability {args.draft_match:.3f}"
                        + (f" ({match_source})" if match_source else "") + ", ")
+        if floor:
+            target_line = (f"- emulated, not a GPU: the server padded every forward to at least {args.min_step_ms:g} ms "
+                           f"+ {args.min_step_ms_per_token:g} ms per token in the step (`--min-step-ms`), so its steps "
+                           "cost nearly the same at any size, as on a GPU; the target's own forward is far quicker\n"
+                           + target_line)
     else:
         target_line = ("- target: SmolLM2-135M-Instruct float32 on CPU; drafts: llama.cpp Q4_1's greedy proposals "
                        f"(flash attention {'on' if DrafterOptions().flash_attn else 'off'}, the device's default), "

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "where the fused step stops beating PyTorch on this CPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
+    p.add_argument("--min-step-ms", type=float, metavar="MS",
+                   help="capacity experiments: every forward lasts at least this long, the rest slept (default 0: off)")
+    p.add_argument("--min-step-ms-per-token", type=float, metavar="MS",
+                   help="capacity experiments: and this much more per token in the step; with a small random target "
+                        "and --min-step-ms, a GPU's step profile on a CPU (default 0)")
     p.add_argument("--attention", choices=["sdpa", "segments", "reference"], default="sdpa",
                    help="attention kernel: sdpa (on CUDA the short segments of a step in one padded call per layer; on "
                         "CPU one call per segment, short ones as two batched matmuls), segments (one call per segment "

@@ -45,6 +45,11 @@ class ServerConfig:
     fused_max_tokens: int | None = None
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
+    # A floor under every forward: it lasts at least min_step_ms + min_step_ms_per_token * its tokens, the rest slept.
+    # For capacity experiments only: a small random target with the floor has a GPU's step profile (nearly flat in
+    # the step's tokens) on a CPU, so the devices' side of a GPU run can be studied without one. 0 (off) by default.
+    min_step_ms: float = 0.0
+    min_step_ms_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -90,6 +95,10 @@ class ServerConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
+        for name in ("min_step_ms", "min_step_ms_per_token"):
+            value = getattr(self, name)
+            if not 0 <= value < 60_000:  # also refuses NaN
+                raise ValueError(f"{name} must be in [0, 60000) ms, got {value!r}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
 

@@ -119,10 +119,22 @@ class Engine:
                          ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
             for n in (8, 1, 5, 1, 16, 1, 16):
                 t0 = time.monotonic()
-                self.runner.forward(ModelInput.placeholder(n, slot))
+                self._forward(ModelInput.placeholder(n, slot))
                 self._record_cost(n, time.monotonic() - t0)
         finally:
             self.kv.free(slot)
+
+    def _forward(self, inp: ModelInput):
+        """The runner's forward, lasting at least the configured floor (min_step_ms + min_step_ms_per_token per
+        token; off by default), the rest slept: a GPU's step profile for a small target on a CPU. Slept inside the
+        timed forward, so the cost model's per-token slope, which the devices' controllers read, is the floor's."""
+        t0 = time.monotonic()
+        logits = self.runner.forward(inp)
+        floor = (self.config.min_step_ms + self.config.min_step_ms_per_token * int(inp.token_ids.numel())) / 1000.0
+        left = floor - (time.monotonic() - t0)
+        if left > 0:
+            time.sleep(left)
+        return logits
 
     def _record_cost(self, tokens: int, seconds: float) -> None:
         """Fit step time = a + b * tokens over the last 256 steps; b is the marginal cost of a token."""
@@ -313,7 +325,7 @@ class Engine:
         try:
             inp = self._model_input(plan, drafts)
             t_fwd = time.monotonic()
-            logits = self.runner.forward(inp) if inp.token_ids.numel() else None
+            logits = self._forward(inp) if inp.token_ids.numel() else None
             forward = time.monotonic() - t_fwd
             verdicts = self._verify(plan.verifies, drafts, logits)
         except Exception as exc:  # noqa: BLE001

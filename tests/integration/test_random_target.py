@@ -265,6 +265,8 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
                            "--devices", "1", "--seconds", "1.5", "--warmup-s", "0.3",
                            "--repeats", "1", "--recordings", "2", "--max-tokens", "16", "--markdown", str(md),
                            "--json", str(rows_path), "--out-dir", str(plots),
+                           # a GPU's step profile emulated: every forward padded to 5 ms + 0.5 ms a token
+                           "--min-step-ms", "5", "--min-step-ms-per-token", "0.5",
                            # set, not timed at start-up: on a host busy with other work the timing of this tiny
                            # model found the fused step never faster (0 tokens), and the kernels line below differed
                            "--server-arg=--fused-max-tokens=48"],
@@ -279,6 +281,8 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
             assert key in r, (r["mode"], key)
     sled = next(r for r in rows if r["mode"] == "sled")
     assert sled["devices"] == 1 and sled["system_tokens_per_s"] > 0 and 0 < sled["acceptance_rate"] <= 1
+    # the floor reached the server: no step, of either mode, was quicker than it
+    assert all(r["server_step_ms"] >= 5.0 for r in rows if r["mode"] in ("sled", "server-only")), rows
     # Linux: every run measured the steal share of its window
     assert all(0.0 <= x <= 1.0 for x in sled["repeats_host_cpu_stolen_share"]), sled["repeats_host_cpu_stolen_share"]
     text = md.read_text()
@@ -286,6 +290,8 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
                      r"[\d.]+% over \d+ runs, highest [\d.]+% \(1 devices, ", text)
     assert "## Engine speed: kept\n\nother section" in text  # another script's section is left as it was
     assert "## System benchmark: SLED vs server-only vs device-only" in text
+    assert ("- emulated, not a GPU: the server padded every forward to at least 5 ms + 0.5 ms per token in the step "
+            "(`--min-step-ms`)") in text
     assert ("each drafted position right with probability 0.900 (the real pair's match, measured by `--match-only` on "
             "a test host at 2026-11-24 00:00 UTC over 8 greedy outputs), replayed at 10.0 ms/token of drafting per "
             "device (the real drafter's, measured with the match)") in text
@@ -428,3 +434,35 @@ def test_bench_fused_builds_refuses_a_malformed_build(tmp_path):
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "a build is NAME=VALUE" in done.stderr, (bad, done.stderr)
     assert not (tmp_path / "b.md").exists()
+
+
+def _one_step(target, **floor):
+    """A fresh engine (warmed up, as a server is) with one prefilled session; one draft of three tokens verified."""
+    from verify_server.config import ServerConfig
+    from verify_server.engine import Engine
+    from verify_server.sessions import DraftRequest, OpenRequest, SamplingParams
+
+    engine = Engine(ServerConfig(max_sessions=1, max_seq_len=64, target="random:llama-tiny", **floor), target)
+    engine.warmup()
+    opened, verdicts = [], []
+    engine.open(OpenRequest((1, 2, 3, 4), SamplingParams(), 8, frozenset()), opened.append)
+    engine._drain(0)
+    while engine._prefilling():
+        engine.step()
+    engine.verify(opened[0].id, DraftRequest(1, (5, 6, 7), None, None), verdicts.append)
+    engine._drain(0)
+    t0 = time.monotonic()
+    engine.step()
+    return verdicts[0], time.monotonic() - t0, engine.token_ms
+
+
+def test_a_step_floor_pads_each_step_to_a_gpus_profile_and_changes_no_verdict(tiny):
+    bare, bare_s, _ = _one_step(tiny)
+    padded, padded_s, token_ms = _one_step(tiny, min_step_ms=40.0, min_step_ms_per_token=5.0)
+    assert (padded.n_accepted, padded.next_token) == (bare.n_accepted, bare.next_token)
+    assert padded.step_tokens == bare.step_tokens == 4  # the three drafted tokens and the one before them
+    floor_ms = 40.0 + 5.0 * padded.step_tokens
+    assert padded.step_ms >= floor_ms and padded_s * 1000.0 >= floor_ms
+    assert bare.step_ms < floor_ms / 2  # the tiny target alone is far quicker: the floor is what was measured
+    # The cost model the devices' controllers read sees the floor's slope (the warm-up's steps of 1-16 tokens).
+    assert 4.0 < token_ms < 6.0
