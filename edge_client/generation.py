@@ -15,6 +15,10 @@ verdicts' step opens (`_Generation.draft`); a fixed K drafts the rest first. The
 (the server's token alone, in that same step, while the drafter drafts on) where the device's acceptance is at least
 EMPTY_AFTER_MISS, and K drafted afresh below it, which joins a later step: a weak drafter rarely guesses the
 server's token, and answered with empty drafts it would leave the server decoding alone.
+All this only while the server does not queue the drafts (`AdaptiveDraftLength.server_queues`: in most recent
+rounds the draft waited through an earlier step, Verdict.queue_ms): there a draft sent at once only waits longer,
+and the device finishes its token and drafts the rest of K first, which the wait covers. On a GPU-like server
+(steps nearly flat in their tokens, following each other) answering at once was 0.97x finishing first.
 
 The device keeps the whole token history, so nothing is lost when the link drops or the server
 restarts: the loop reconnects with backoff and reopens with the full context. While the server
@@ -188,6 +192,7 @@ class _Generation:
         self.adaptive = adaptive if draft_tokens > 0 else None
         self.draft_ahead = draft_ahead and draft_tokens > 0
         self.answer_at_once = answer_at_once
+        self.at_once = answer_at_once  # this round's choice: answer_at_once, unless the server queues the drafts
         self.carry: Proposal | None = None  # drafted ahead, continuing the committed context
         self.drafting = [0.0, 0]  # this round's drafter time and tokens, ahead included
         self.verdict_at = 0.0  # when this round's verdict came
@@ -334,7 +339,8 @@ class _Generation:
             try:
                 await asyncio.wait([verify])
                 busy = not drafting.done()
-                ahead = self._answer_now(verify, proposal, drafting) if self.answer_at_once else None
+                self.at_once = self.answer_at_once and not (self.adaptive is not None and self.adaptive.server_queues())
+                ahead = self._answer_now(verify, proposal, drafting) if self.at_once else None
                 if ahead is None:
                     ahead = await drafting
             except BaseException:
@@ -463,7 +469,7 @@ class _Generation:
         after the one that window opened, and a device answering in time alternated with one that did not: the
         server's steps held about half the devices (2.1 of 4 on this repository's CPU host, 15.3 of 32 on an
         H100). A fixed K drafts it whole."""
-        if (self.answer_at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None
+        if (self.at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None
                 and self.carry is not None and self.carry.token_ids):
             k = min(k, len(self.carry.token_ids))
         elif (self.empty_after_miss is not None and self.finishing is not None and not self.finishing_hit
@@ -576,7 +582,8 @@ async def generate(
     earlier ones measured; None makes a fresh one.
     answer_at_once=False makes a device finish the token it is drafting ahead before it answers a verdict, and draft
     the rest of K after it where the tokens drafted ahead fall short (the behaviour before commit d1c17cb), for
-    scripts/bench_system.py to compare. empty_after_miss is the acceptance from which a miss answered at once gets an
+    scripts/bench_system.py to compare; with answer_at_once=True the device does so too while the server queues its
+    drafts (module docstring). empty_after_miss is the acceptance from which a miss answered at once gets an
     empty draft (module docstring); None drafts K afresh after every miss.
     """
     if not prompt_token_ids:

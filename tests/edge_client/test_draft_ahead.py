@@ -82,8 +82,9 @@ class FakeSession:
     each drafted token comes with the drafter's distribution at the context it is verified in (Q's row of the
     token before it): the q it was sampled from, whether it was drafted ahead or not."""
 
-    def __init__(self, context, max_tokens, seed, delay, target=P, greedy=False, drafts=None):
+    def __init__(self, context, max_tokens, seed, delay, target=P, greedy=False, drafts=None, queue_ms=0.0):
         self.context, self.left, self.delay, self.target = list(context), max_tokens, delay, target
+        self.queue_ms = queue_ms  # reported in every verdict: how long the draft waited through an earlier step
         self.drafts = [] if drafts is None else drafts  # each verified draft's length, in order
         # Greedy or not is the session's sampling, as on the server: an empty draft carries no q either way.
         self.greedy = greedy
@@ -129,7 +130,7 @@ class FakeSession:
             self.context.append(out)
         self.left -= n + (out is not None)
         return codec.Verdict(round_, n, out, self.left <= 0, "length" if self.left <= 0 else None, token_ms=1.0,
-                             step_ms=4.0, queue_ms=6.0)
+                             step_ms=4.0, queue_ms=self.queue_ms)
 
     async def close(self):
         pass
@@ -141,13 +142,14 @@ class FakeSession:
 class FakeClient:
     auth_token = None
 
-    def __init__(self, seed, delay, max_tokens=N_TOKENS, target=P):
+    def __init__(self, seed, delay, max_tokens=N_TOKENS, target=P, queue_ms=0.0):
         self.seed, self.delay, self.max_tokens, self.target = seed, delay, max_tokens, target
+        self.queue_ms = queue_ms  # 0: the drafts find the server idle; more: each waited that long for a step
         self.drafts: list[int] = []  # the length of each draft its sessions verified
 
     async def open(self, msg, timeout=None, wait_for_ready=True):
         return FakeSession(PROMPT, self.max_tokens, self.seed, self.delay, self.target,
-                           greedy=msg.open.sampling.temperature == 0, drafts=self.drafts)
+                           greedy=msg.open.sampling.temperature == 0, drafts=self.drafts, queue_ms=self.queue_ms)
 
 
 TOKENIZER = SimpleNamespace(eos_token_id=EOS, fingerprint="table",
@@ -383,7 +385,8 @@ def test_each_round_times_the_reply_to_the_verdict_before_it():
             return super()._eval(tokens)
 
     async def main(ahead):
-        return await generate(FakeClient(0, 0.003, max_tokens=16, target=P_GREEDY), Slow(Q_GREEDY), TOKENIZER, PROMPT,
+        return await generate(FakeClient(0, 0.003, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY),
+                              TOKENIZER, PROMPT,
                               max_tokens=16, draft_tokens=2, adaptive=False, draft_ahead=ahead)
 
     for ahead in (True, False):
@@ -413,12 +416,12 @@ class SlowTable(TableDrafter):
         return super()._eval(tokens)
 
 
-def _slow_cycle_run(**options):
+def _slow_cycle_run(queue_ms=0.0, **options):
     """40 greedy tokens from a 10 ms-a-token drafter that misses every fourth token, verdicts 25 ms after each draft,
     the adaptive controller held at K = 2; checks the text and the drafter's cache (no position evaluated twice with
     the same token, nothing held off the committed text) and returns (drafter, result, each draft's length as the
     server saw it)."""
-    client = FakeClient(0, 0.025, max_tokens=40, target=cycle(1, 2, 3, 0))
+    client = FakeClient(0, 0.025, max_tokens=40, target=cycle(1, 2, 3, 0), queue_ms=queue_ms)
 
     async def main():
         drafter = SlowTable(cycle(1, 2, 3, 1), 0.01)
@@ -452,6 +455,21 @@ def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
     assert (replies[:, 1] == 0).sum() >= result.answered_at_once
     assert (replies[:, 0] < 5.0).sum() >= result.answered_at_once
     assert (replies[:, 0] > 15.0).sum() >= 5  # after a miss: a draft of 2 drafted afresh, 2 x 10 ms
+
+
+def test_a_device_whose_drafts_queue_at_the_server_finishes_its_draft_instead_of_answering_at_once():
+    """The same run with every verdict reporting that its draft waited 6 ms through an earlier step (a server whose
+    steps follow each other): a shorter draft sent at once would only wait longer, so once the controller has seen
+    that in most recent rounds (QUEUED_MIN of them) the device answers as with answer_at_once=False, finishing its
+    token and drafting the rest of K; on the emulated GPU step profile that was 1.03x answering at once
+    (docs/benchmarks.md, '32 devices, a GPU's step profile emulated on this CPU')."""
+    from edge_client.adaptive import AdaptiveDraftLength
+
+    drafter, result, drafts = _slow_cycle_run(queue_ms=6.0, empty_after_miss=None)
+    assert result.answered_at_once < AdaptiveDraftLength.QUEUED_MIN  # only before the controller knew
+    assert sum(1 for n in drafts[AdaptiveDraftLength.QUEUED_MIN + 1:-1] if n == 2) >= len(drafts) - 7  # K drafts
+    replies = np.array(result.round_replies[AdaptiveDraftLength.QUEUED_MIN + 1:])
+    assert (replies[:, 1] > 1.0).sum() >= len(replies) // 2  # most waited for the token being drafted ahead
 
 
 def test_answer_at_once_off_finishes_the_token_first():
