@@ -17,7 +17,7 @@
    and so does the adaptive K without drafting ahead (`sled-no-ahead` in the JSON: each device waits for its
    verdict before drafting on), and with a device that finishes the token it drafts ahead before answering a
    verdict, drafting the rest of K first (`sled-finish-first`: the device before commit d1c17cb, which answers
-   at once with what it drafted ahead), and with a device that drafts K afresh after every miss
+   at once with what it drafted ahead, unless the server queues its drafts), and with a device that drafts K afresh after every miss
    (`sled-afresh-after-miss`, where the default answers a miss with an empty draft from an acceptance of 0.8:
    edge_client.generation.EMPTY_AFTER_MISS). Each device drafts on its own thread, as on its own hardware.
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
@@ -1240,8 +1240,10 @@ def main() -> int:
         + ("\n### Answering a verdict at once vs finishing the token first (adaptive K, drafting ahead both)\n\n"
            "A verdict that comes while a device drafts ahead is answered at once with what was drafted ahead (K at "
            "most, after a hit) while the drafter finishes its token, or (`sled-finish-first`, the "
-           "device before commit d1c17cb) after that token, with the rest of K drafted first; sessions a step and "
-           "median reply: at once / finishing first.\n\n" + "\n".join(t["answer"]) + "\n" if t["answer"] else "")
+           "device before commit d1c17cb) after that token, with the rest of K drafted first; the default answers "
+           "at once only while the server does not queue its drafts (since 20ecf0d: where most recent drafts waited "
+           "through an earlier step it finishes first too); sessions a step and median reply: at once / finishing "
+           "first.\n\n" + "\n".join(t["answer"]) + "\n" if t["answer"] else "")
         + ("\n### After a miss: an empty draft vs drafting K afresh (adaptive K, answering at once both)\n\n"
            f"A miss that comes while a device drafts ahead is answered with an empty draft (the server's token alone, "
            f"in the step that verdict's window opens) where the device's acceptance is at least {EMPTY_AFTER_MISS:g}, "
