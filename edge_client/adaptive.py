@@ -41,11 +41,11 @@ Where the server queues the drafts (most recent ones waited through an earlier s
 drafting after a verdict delays its next draft only by what outlasts that wait: sent sooner, the draft would have
 waited as much longer. The model takes the mean wait off that drafting (HIDE_QUEUE), and the device then finishes
 its token and drafts the rest of K rather than answering at once. On the emulated GPU step profile (a server
-padded to 14 ms + 0.1 ms a token, 32 devices drafting at 11.8 ms/token; probes, the section '32 devices, a GPU's
-step profile emulated on this CPU' of docs/benchmarks.md for the figures before) adaptive went from 0.94x the best
-fixed K (K = 4) to 0.98x: 0.96x from not answering at once alone, and the rest from drafts that the wait covers. On
-this CPU server at 4, 16 and 32 devices, where the steps' cost grows with their tokens, the probes moved nothing
-beyond their noise (320 against 318 tok/s at 4 devices).
+padded to 14 ms + 0.1 ms a token, 32 devices drafting at 11.8 ms/token: the two sections '32 devices, a GPU's step
+profile emulated on this CPU' of docs/benchmarks.md) adaptive went from 0.94x the best fixed K (K = 4) to 0.98x in
+each of 3 passes; probes had 0.96x from not answering at once alone, the rest from drafts that the wait covers. On
+this CPU server, where the steps' cost grows with their tokens, the main section's rerun after it gave 1.01x, 1.08x,
+0.98x and 1.01x the best fixed K at 1, 4, 16 and 32 devices (1.01x, 1.07x, 0.96x, 0.98x before).
 
 A device keeps one controller across its requests (`generate(..., controller=)`): acceptance, drafting time and
 round trip describe the device, its drafter and the server, not one request. A fresh controller per request

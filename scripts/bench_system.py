@@ -17,8 +17,8 @@
    and so does the adaptive K without drafting ahead (`sled-no-ahead` in the JSON: each device waits for its
    verdict before drafting on), and with a device that finishes the token it drafts ahead before answering a
    verdict, drafting the rest of K first (`sled-finish-first`: the device before commit d1c17cb, which answers
-   at once with what it drafted ahead, unless the server queues its drafts), and with a device that drafts K afresh after every miss
-   (`sled-afresh-after-miss`, where the default answers a miss with an empty draft from an acceptance of 0.8:
+   at once with what it drafted ahead, unless the server queues its drafts), and with a device that drafts K
+   afresh after every miss (`sled-afresh-after-miss`, where the default answers a miss with an empty draft from an acceptance of 0.8:
    edge_client.generation.EMPTY_AFTER_MISS). Each device drafts on its own thread, as on its own hardware.
 4. Non-model time per step at 16 sessions (the batch-1 step against the bandwidth limit: bench_engine.py).
 5. The server's steps alone, before and after the runs: a few sessions' drafts of together 1 token up to the most
