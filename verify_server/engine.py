@@ -128,6 +128,8 @@ class Engine:
         """The runner's forward, lasting at least the configured floor (min_step_ms + min_step_ms_per_token per
         token; off by default), the rest slept: a GPU's step profile for a small target on a CPU. Slept inside the
         timed forward, so the cost model's per-token slope, which the devices' controllers read, is the floor's."""
+        if not (self.config.min_step_ms or self.config.min_step_ms_per_token):
+            return self.runner.forward(inp)  # the default: nothing added to the step
         t0 = time.monotonic()
         logits = self.runner.forward(inp)
         floor = (self.config.min_step_ms + self.config.min_step_ms_per_token * int(inp.token_ids.numel())) / 1000.0
