@@ -7,8 +7,9 @@ The server runs one step at a time: it starts when every device's draft is waiti
 part; a CPU: a large per-token part). Each device drafts at `draft_ms` per token, each drafted token right with
 probability `match` (independently, as the target's greedy text is fixed), drafts ahead while its draft is
 verified (finishing the token in progress when the verdict comes, as edge_client.generation does with a fixed K or
-`answer_at_once=False`; with `--at-once`, an adaptive device answers a hit at once with the tokens drafted ahead,
-K at most, as a device does by default), and chooses K
+`answer_at_once=False`; with `--at-once`, an adaptive device answers as a device does by default: a hit at once
+with the tokens drafted ahead, K at most, a miss with an empty draft, neither while the server queues its drafts),
+and chooses K
 with the real edge_client.adaptive controller, fed what a device measures and its verdicts report (the step's time,
 sessions and token cost, and how long the draft waited through earlier steps). The figures are the model's, not a
 measurement: the point is the controller's choice against fixed K under the same model, fast and repeatable.
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edge_client.adaptive import AdaptiveDraftLength, RoundSample  # noqa: E402
+from edge_client.generation import EMPTY_AFTER_MISS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -82,15 +84,26 @@ class _Device:
     sure: tuple[float, ...] | None = None  # the confidence of each token in the draft out now
 
 
+# The devices' first drafts go out within this share of a token's drafting time of one another, as in the system
+# benchmark, where every device opens its first request at once. Spread over a whole token (the earlier form), most
+# first drafts reached the server during a step, waited, and, under the queue rule, the devices kept finishing their
+# drafts at 4 devices on this machine's CPU server (2% of rounds answered at once), where the benchmark's devices
+# answer at once (9% of drafts queued).
+START_SPREAD = 0.1
+
+
 def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0, warmup_s: float = 3.0,
              k_max: int = 8, ahead: bool = True, seed: int = 0, confidence_stop: bool = True,
-             at_once: bool = False) -> dict:
+             at_once: bool = False, empty_after_miss: float | None = EMPTY_AFTER_MISS) -> dict:
     """Committed tokens per second of `devices` devices over `seconds` after `warmup_s`, with fixed K = k or the
     adaptive controller (k=None; its confidence stop rule used where the regime has confidence, unless
     confidence_stop is off). With at_once, an adaptive device answers a verdict as edge_client.generation does by
     default: after a hit whose tokens drafted ahead reach past the bonus, those tokens (K at most) go out at once
-    while the drafter finishes its token; otherwise it finishes that token and drafts the rest of K (a fixed K
-    always does). Needs a regime without confidence."""
+    while the drafter finishes its token; after a miss that comes while it drafts ahead, an empty draft (the
+    server's token alone) goes out at once where the controller's acceptance is at least `empty_after_miss` (None:
+    never); otherwise it finishes that token and drafts the rest of K (a fixed K always does). Neither while the
+    server queues the device's drafts (AdaptiveDraftLength.server_queues: most recent drafts waited through an
+    earlier step), where the device finishes its token and drafts K. Needs a regime without confidence."""
     if at_once and regime.confidence is not None:
         raise ValueError("at_once is modelled for drafts without confidence only")
     r = regime
@@ -152,7 +165,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
         return max(statistics.linear_regression(tokens, [s for s, _ in last_steps]).slope, 0.0)
 
     for d in range(devices):
-        begin_round(d, rng.random() * r.draft_s)
+        begin_round(d, START_SPREAD * rng.random() * r.draft_s)
     end = warmup_s + seconds
     batch: list[int] = []
     last_done = 0.0  # when the last step ended
@@ -205,19 +218,31 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             resume = now
             progress = min((now - dev.sent) / r.draft_s + dev.offset, k_max + 1.0)  # tokens ahead, the last in part
             dev.offset = 0.0
+            if progress < 0:  # still finishing the token an empty draft went out beside (below)
+                resume, progress = now - progress * r.draft_s, 0.0
+
+            def sample() -> RoundSample:  # what the device's controller learns from this round
+                return RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server, r.draft_s,
+                                   dev.sessions, dev.sure, dev.step, dev.queue)
+
+            observed = False
+            # As the device decides it (edge_client.generation): from the rounds before this verdict, whether the
+            # server queues this device's drafts, where it finishes its token and drafts K instead of answering at once.
+            once = at_once and dev.ctrl is not None and not dev.ctrl.server_queues()
+            # Without confidence: whether the verdict's bonus token is the drafter's own next one (a hit).
+            guessed = r.confidence is None and accepted == kk and dev.rng.random() < r.match
             if ahead:
                 made = int(progress)
-                if made < k_max + 1 and progress > made:
+                busy = made < k_max + 1  # the drafter is on a token drafted ahead when the verdict comes
+                if busy and progress > made:
                     made += 1
-                    resume = max(now, now + (made - progress) * r.draft_s)
-                if (at_once and dev.ctrl is not None and accepted == kk and int(progress) > 1
-                        and dev.rng.random() < r.match):
+                    resume = max(resume, now + (made - progress) * r.draft_s)
+                if once and guessed and int(progress) > 1:
                     # A hit answered at once: the tokens done past the bonus go out now, K at most; the rest, and
                     # the token in progress, are where the drafting ahead of this new draft stands.
                     if warmup_s <= now:
                         dev.tokens += accepted + 1
-                    dev.ctrl.observe(RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent,
-                                                 dev.server, r.draft_s, dev.sessions, dev.sure, dev.step, dev.queue))
+                    dev.ctrl.observe(sample())
                     n = min(dev.ctrl.k, int(progress) - 1)
                     dev.round_start, dev.drafted = now, n
                     dev.ks.append(n)
@@ -226,8 +251,23 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
                     dev.offset = progress - 1 - n
                     at(now, "send", d)
                     continue
+                if once and busy and not guessed and empty_after_miss is not None:
+                    dev.ctrl.observe(sample())  # before the device chooses its answer, as it does
+                    observed = True
+                if observed and dev.ctrl.acceptance() >= empty_after_miss:
+                    # A miss answered at once: an empty draft (the server's token alone) goes out now; the drafter
+                    # finishes its token, drops what the verdict corrected, and drafts ahead from the new context.
+                    if warmup_s <= now:
+                        dev.tokens += accepted + 1
+                    dev.round_start, dev.drafted = now, 0
+                    dev.ks.append(0)
+                    dev.at_once += 1
+                    dev.carry = 0
+                    dev.offset = -(resume - now) / r.draft_s
+                    at(now, "send", d)
+                    continue
             if r.confidence is None:
-                if accepted == kk and made > 1 and dev.rng.random() < r.match:
+                if guessed and made > 1:
                     dev.carry = made - 1
             else:
                 # The bonus token is the drafter's next one when that was right: its tokens past it stand, and
@@ -241,9 +281,8 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
                     dev.upcoming = []
             if warmup_s <= now:
                 dev.tokens += accepted + 1
-            if dev.ctrl is not None:
-                dev.ctrl.observe(RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server,
-                                             r.draft_s, dev.sessions, dev.sure, dev.step, dev.queue))
+            if dev.ctrl is not None and not observed:
+                dev.ctrl.observe(sample())
             begin_round(d, resume)
     total = sum(dv.tokens for dv in devs)
     ks = [x for dv in devs for x in dv.ks]
@@ -270,8 +309,9 @@ def main() -> int:
     ap.add_argument("--match", type=float, default=0.98, help="probability a drafted token is right (default 0.98)")
     ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds per run (default 30)")
     ap.add_argument("--at-once", action="store_true",
-                    help="adaptive devices answer a hit's verdict at once with what was drafted ahead (the device's "
-                         "default); without it they finish the token in progress and draft the rest of K first")
+                    help="adaptive devices answer a verdict at once, as a device does by default (a hit with what was "
+                         "drafted ahead, a miss with an empty draft, unless the server queues their drafts); without "
+                         "it they finish the token in progress and draft the rest of K first")
     ap.add_argument("--confidence", metavar="SHARE:CONF:RIGHT,...",
                     help="drafted tokens as kinds, e.g. 0.75:0.9:0.99,0.25:0.3:0.75 (instead of --match): the stop "
                          "rule then ends drafts on the drafter's confidence")
