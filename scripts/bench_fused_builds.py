@@ -39,7 +39,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--defines", action="append", metavar="NAME=VALUE[,...]",
                     help="a build to compare with this CPU's own (repeatable; default SLED_PREFETCH_MIN_ROWS=8, "
-                         "AVX-512's threshold without host_defines)")
+                         "AVX-512's threshold without host_defines). Each is the kernel's defaults plus these "
+                         "defines, without this CPU's host defines (the own build's line names them): to change "
+                         "one setting only, name those too, e.g. SLED_PREFETCH_SPREAD=0,SLED_PREFETCH_MIN_ROWS=1 "
+                         "on an Intel AVX-512 host")
     ap.add_argument("--tokens", default="1,2,3,4,5,6,7,8,12,16", help="token counts (default 1-8, 12, 16)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds over every count and build (default 5)")
     ap.add_argument("--steps", type=int, default=8, help="timed forwards per count, build and round (default 8)")
