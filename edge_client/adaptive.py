@@ -44,8 +44,9 @@ its token and drafts the rest of K rather than answering at once. On the emulate
 padded to 14 ms + 0.1 ms a token, 32 devices drafting at 11.8 ms/token: the two sections '32 devices, a GPU's step
 profile emulated on this CPU' of docs/benchmarks.md) adaptive went from 0.94x the best fixed K (K = 4) to 0.98x in
 each of 3 passes, its drafts from 2.7 tokens to 3.9 (at 8.3 ms/token: 0.99x, the third such section). On
-this CPU server, where the steps' cost grows with their tokens, the main section's rerun after it gave 1.01x, 1.08x,
-0.98x and 1.01x the best fixed K at 1, 4, 16 and 32 devices (1.01x, 1.07x, 0.96x, 0.98x before).
+this CPU server, where the steps' cost grows with their tokens, the main section's rerun after it (at c209104) gave
+1.01x, 1.08x, 0.98x and 1.01x the best fixed K at 1, 4, 16 and 32 devices (1.01x, 1.07x, 0.96x, 0.98x before), and
+the next (at dad8f34) 1.01x, 1.06x, 0.99x and 1.02x.
 
 A device keeps one controller across its requests (`generate(..., controller=)`): acceptance, drafting time and
 round trip describe the device, its drafter and the server, not one request. A fresh controller per request
