@@ -37,10 +37,10 @@ The device no longer waits in either way (edge_client/generation.py): it answers
 drafted ahead, K at most, after a hit (after a miss it drafts K afresh). K is then the cap of the drafts, which are otherwise as long as
 the drafting during the round trip made them; the model above still prices the waits, and was not redone for it.
 
-Where the server queues the drafts (most recent ones waited through an earlier step: `server_queues`), the device's
-drafting after a verdict delays its next draft only by what outlasts that wait: sent sooner, the draft would have
-waited as much longer. The model takes the mean wait off that drafting (HIDE_QUEUE), and the device then finishes
-its token and drafts the rest of K rather than answering at once. On the emulated GPU step profile (a server
+Where the server queues the drafts (most recent ones sent at once waited through an earlier step: `server_queues`),
+the device's drafting after a verdict delays its next draft only by what outlasts that wait: sent sooner, the draft
+would have waited as much longer. The model takes the mean wait off that drafting (HIDE_QUEUE), and the device then
+finishes its token and drafts the rest of K rather than answering at once. On the emulated GPU step profile (a server
 padded to 14 ms + 0.1 ms a token, 32 devices drafting at 11.8 ms/token: the two sections '32 devices, a GPU's step
 profile emulated on this CPU' of docs/benchmarks.md) adaptive went from 0.94x the best fixed K (K = 4) to 0.98x in
 each of 3 passes, its drafts from 2.7 tokens to 3.9 (at 8.3 ms/token: 0.99x, the third such section). On
@@ -111,6 +111,9 @@ class RoundSample:
     confidence: tuple[float, ...] | None = None  # the drafter's confidence in each drafted token, if it has one
     step_s: float = 0.0  # the wall time of the step that verified this draft (0: not reported)
     queue_s: float = 0.0  # how long the draft waited at the server through earlier steps (not the batching window)
+    # whether the draft went out at once when the verdict before it came, nothing left to draft or wait for (a late
+    # one, sent after finishing a token and drafting the rest of K, queues because it is late: server_queues)
+    prompt: bool = True
 
 
 # Confidence bins, by their upper edges: [0, 0.1), [0.1, 0.2), ... [0.9, 0.95), [0.95, 1].
@@ -229,8 +232,13 @@ class AdaptiveDraftLength:
     def server_queues(self) -> bool:
         """Whether most recent drafts reached the server while another step ran and waited for it (Verdict.queue_ms):
         a draft sent sooner would only have waited longer, so answering a verdict at once with a shorter draft
-        gains nothing there."""
-        recent = list(self.samples)[-self.QUEUED_WINDOW:]
+        gains nothing there. Only the drafts that went out at once count (RoundSample.prompt): a device that
+        finishes its drafts sends them after the batching window its verdict's step opens, and they wait for that
+        step whatever the server's load; counted, they held a device at finishing first once most of its drafts
+        had queued (scripts/sim_rounds.py, devices started out of step). While it finishes first, its drafts that
+        went out at once leave the recent rounds (the last `window`), and with fewer than QUEUED_MIN of them left it
+        answers at once again, which tells it afresh whether such drafts queue."""
+        recent = [s for s in self.samples if s.prompt][-self.QUEUED_WINDOW:]
         return (len(recent) >= self.QUEUED_MIN
                 and sum(1 for s in recent if s.queue_s > 0) >= self.QUEUED_SHARE * len(recent))
 

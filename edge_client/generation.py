@@ -15,8 +15,8 @@ verdicts' step opens (`_Generation.draft`); a fixed K drafts the rest first. The
 (the server's token alone, in that same step, while the drafter drafts on) where the device's acceptance is at least
 EMPTY_AFTER_MISS, and K drafted afresh below it, which joins a later step: a weak drafter rarely guesses the
 server's token, and answered with empty drafts it would leave the server decoding alone.
-All this only while the server does not queue the drafts (`AdaptiveDraftLength.server_queues`: in most recent
-rounds the draft waited through an earlier step, Verdict.queue_ms): there a draft sent at once only waits longer,
+All this only while the server does not queue the drafts (`AdaptiveDraftLength.server_queues`: most recent drafts
+sent at once waited through an earlier step, Verdict.queue_ms): there a draft sent at once only waits longer,
 and the device finishes its token and drafts the rest of K first, which the wait covers. On a GPU-like server
 (steps nearly flat in their tokens, following each other) answering at once was 0.97x finishing first.
 
@@ -205,6 +205,10 @@ class _Generation:
         self.live: list[Proposal] | None = None
         self.finishing: asyncio.Future | None = None
         self.finishing_hit = False  # whether the tokens that thread drafts continue the committed context
+        # Whether the last verdict waited for the token being drafted ahead before it was answered, and whether the
+        # draft out now went out at once when its verdict came (RoundSample.prompt; set by `draft`).
+        self.waited = False
+        self.prompt = False
 
     async def _propose(self, context: list[int], k: int, stop=None) -> Proposal:
         t0 = time.perf_counter()
@@ -330,6 +334,7 @@ class _Generation:
             t_round = time.perf_counter()
             self.drafting = [0.0, 0]
             proposal, spare = await self.draft(k)
+            prompt = self.prompt
             t_sent = time.perf_counter()
             verify = asyncio.ensure_future(self._verify(r.rounds, proposal))
             reply = ((float("nan"), float("nan")) if self.answering is None
@@ -341,6 +346,7 @@ class _Generation:
                 busy = not drafting.done()
                 self.at_once = self.answer_at_once and not (self.adaptive is not None and self.adaptive.server_queues())
                 ahead = self._answer_now(verify, proposal, drafting) if self.at_once else None
+                self.waited = busy and ahead is None
                 if ahead is None:
                     ahead = await drafting
             except BaseException:
@@ -371,7 +377,7 @@ class _Generation:
                                                   spent / drafted if drafted else None,
                                                   verdict.step_sessions,
                                                   None if proposal.confidence is None else tuple(proposal.confidence),
-                                                  verdict.step_ms / 1000.0, verdict.queue_ms / 1000.0))
+                                                  verdict.step_ms / 1000.0, verdict.queue_ms / 1000.0, prompt))
             r.rounds += 1
             r.draft_tokens += len(proposal.token_ids)
             r.accepted_tokens += verdict.n_accepted
@@ -469,6 +475,8 @@ class _Generation:
         after the one that window opened, and a device answering in time alternated with one that did not: the
         server's steps held about half the devices (2.1 of 4 on this repository's CPU host, 15.3 of 32 on an
         H100). A fixed K drafts it whole."""
+        # Out at once when its verdict came, unless that waited for a token drafted ahead or this drafts or waits below
+        self.prompt = self.answering is not None and not self.waited
         if (self.at_once and self.adaptive is not None and self.draft_ahead and self.answering is not None
                 and self.carry is not None and self.carry.token_ids):
             k = min(k, len(self.carry.token_ids))
@@ -477,6 +485,7 @@ class _Generation:
             k = 0
         if self.finishing is not None and k and (self.carry is None or len(self.carry.token_ids) < k):
             t0 = time.perf_counter()
+            self.prompt = False
             ahead = await self.settle()  # the drafter is needed now: its token first
             self.carry = None if ahead is None else _cut(ahead, 1)
             if self.answering is not None:  # which is part of answering the verdict
@@ -488,6 +497,7 @@ class _Generation:
             return Proposal([]), Proposal([])
         stop = self._stop_rule()
         if carry is None or not carry.token_ids:
+            self.prompt = False
             return await self._propose(self.context, k, stop), Proposal([])
         proposal = _cut(carry, 0, k)
         if stop is not None and proposal.confidence is not None:
@@ -501,6 +511,7 @@ class _Generation:
         spare = _cut(carry, len(proposal.token_ids))
         if (len(proposal.token_ids) < k and proposal.token_ids[-1] not in self.stop_ids
                 and (stop is None or stop.more())):
+            self.prompt = False
             rest = await self._propose(self.context + proposal.token_ids, k - len(proposal.token_ids), stop)
             proposal = _join(proposal, rest)
         return proposal, spare

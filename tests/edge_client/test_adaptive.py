@@ -233,6 +233,31 @@ def test_drafting_that_a_queue_wait_covers_does_not_count_against_a_longer_draft
     assert k_after(True) > k_after(False) >= 4
 
 
+def test_only_drafts_sent_at_once_tell_whether_the_server_queues():
+    """A draft sent late (after finishing a token and drafting the rest of K) waits for the step its verdict's window
+    opened whatever the server's load: those do not count, however many of them queued. With fewer than QUEUED_MIN
+    drafts sent at once left among the recent rounds, the answer is no, so the device answers at once again."""
+    ctrl = AdaptiveDraftLength(k_max=8, k_initial=4, ahead=True)
+
+    def observe(queue_s, prompt):
+        ctrl.observe(RoundSample(4, 4, 0.0, 0.05, 0.0001, 0.01, 8, step_s=0.024, queue_s=queue_s, prompt=prompt))
+
+    for _ in range(AdaptiveDraftLength.QUEUED_MIN):
+        observe(0.01, True)
+    assert ctrl.server_queues()
+    for _ in range(ctrl.samples.maxlen - AdaptiveDraftLength.QUEUED_MIN):
+        observe(0.01, False)  # late drafts, all queued: the judgment stands on the ones sent at once
+    assert ctrl.server_queues()
+    observe(0.01, False)  # one of those sent at once leaves the recent rounds: too few left to tell
+    assert not ctrl.server_queues()
+    for _ in range(4):
+        observe(0.0, True)  # sent at once and not queued; the older ones sent at once leave the recent rounds
+    assert not ctrl.server_queues()
+    for _ in range(4):
+        observe(0.01, True)  # of the 8 recent ones sent at once, 4 queued: half
+    assert ctrl.server_queues()
+
+
 def test_the_server_queues_the_drafts_when_most_recent_rounds_waited_through_a_step():
     ctrl = AdaptiveDraftLength(k_max=8, k_initial=4, ahead=True)
 

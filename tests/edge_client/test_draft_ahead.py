@@ -460,16 +460,66 @@ def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
 def test_a_device_whose_drafts_queue_at_the_server_finishes_its_draft_instead_of_answering_at_once():
     """The same run with every verdict reporting that its draft waited 6 ms through an earlier step (a server whose
     steps follow each other): a shorter draft sent at once would only wait longer, so once the controller has seen
-    that in most recent rounds (QUEUED_MIN of them) the device answers as with answer_at_once=False, finishing its
-    token and drafting the rest of K; on the emulated GPU step profile that was 1.03x answering at once
+    that of its most recent drafts sent at once (QUEUED_MIN) the device answers as with answer_at_once=False,
+    finishing its token and drafting the rest of K; on the emulated GPU step profile that was 1.03x answering at once
     (docs/benchmarks.md, '32 devices, a GPU's step profile emulated on this CPU')."""
     from edge_client.adaptive import AdaptiveDraftLength
 
     drafter, result, drafts = _slow_cycle_run(queue_ms=6.0, empty_after_miss=None)
-    assert result.answered_at_once < AdaptiveDraftLength.QUEUED_MIN  # only before the controller knew
-    assert sum(1 for n in drafts[AdaptiveDraftLength.QUEUED_MIN + 1:-1] if n == 2) >= len(drafts) - 7  # K drafts
-    replies = np.array(result.round_replies[AdaptiveDraftLength.QUEUED_MIN + 1:])
+    # Only before the controller knew: it learns from the drafts sent at once, here the hits (QUEUED_MIN of them),
+    # every other round from the second (a miss is drafted afresh, late, with empty_after_miss=None).
+    learnt = 2 * AdaptiveDraftLength.QUEUED_MIN + 1
+    assert result.answered_at_once <= AdaptiveDraftLength.QUEUED_MIN
+    after = drafts[learnt:-1]
+    assert len(after) >= 6 and sum(1 for n in after if n == 2) >= len(after) - 1  # K drafts
+    replies = np.array(result.round_replies[learnt:])
     assert (replies[:, 1] > 1.0).sum() >= len(replies) // 2  # most waited for the token being drafted ahead
+
+
+class LateQueues(FakeClient):
+    """A server whose first `busy` drafts each waited 6 ms through an earlier step, and after them only the drafts
+    that came more than 4 ms after the verdict before them: late ones, which missed the batching window that verdict's
+    step opened, as a draft sent after finishing a token and drafting the rest of K does at an unloaded server."""
+
+    def __init__(self, *args, busy=5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.busy = busy
+
+    async def open(self, msg, timeout=None, wait_for_ready=True):
+        session = await super().open(msg, timeout, wait_for_ready)
+        inner, busy, last = session.verify, [self.busy], [None]
+
+        async def verify(round_, proposal):
+            late = last[0] is not None and time.perf_counter() - last[0] > 0.004
+            session.queue_ms = 6.0 if busy[0] > 0 or late else 0.0
+            busy[0] -= 1
+            verdict = await inner(round_, proposal)
+            last[0] = time.perf_counter()
+            return verdict
+
+        session.verify = verify
+        return session
+
+
+def test_a_device_answers_at_once_again_once_drafts_sent_at_once_stop_queueing():
+    """After a busy spell (the first 5 drafts queued) the device finishes its drafts (server_queues), and those,
+    late, keep queueing at this server though drafts answering verdicts at once no longer would. Judged on every
+    draft, that held the device at finishing first for the rest of the request (2 of 60 verdicts answered at once,
+    in the busy spell; every draft queued); judged on the drafts that went out at once, which leave the recent rounds
+    while it finishes first, it answers each hit at once again (24 of 60: a miss, every other round here, is drafted
+    afresh with empty_after_miss=None, late, and queues) and those drafts do not queue."""
+    client = LateQueues(0, 0.025, max_tokens=120, target=cycle(1, 2, 3, 0))
+
+    async def main():
+        return await generate(client, SlowTable(cycle(1, 2, 3, 1), 0.01), TOKENIZER, PROMPT, max_tokens=120,
+                              draft_tokens=2, adaptive=True, max_draft_tokens=8, controller=held_at_two(),
+                              empty_after_miss=None)
+
+    result = asyncio.run(main())
+    assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 120)
+    assert result.rounds >= 30
+    assert result.answered_at_once >= result.rounds // 3, (result.answered_at_once, result.rounds)
+    assert result.round_queue_ms[-10:].count(0.0) >= 4  # at the end the hits' drafts go out at once, not queued
 
 
 def test_answer_at_once_off_finishes_the_token_first():
