@@ -36,10 +36,20 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: all bound at once, then released. One at a time (bind, read, close), the kernel
+    could hand the same port out again: a run once gave the server's gRPC and metrics ports the same number, the
+    server never became healthy, and the simulation waited out its timeout."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def load_compose(path: Path) -> dict:
@@ -58,16 +68,16 @@ class Plan:
 
     def __init__(self, services: dict):
         self.services = services
-        self.ports: dict[tuple[str, int], int] = {}
+        wanted: list[tuple[str, int]] = []  # (service, container port), each once
         for name, svc in services.items():
             for mapping in svc.get("ports", []):
-                container = int(str(mapping).split(":")[-1])
-                self.ports[(name, container)] = free_port()
+                wanted.append((name, int(str(mapping).split(":")[-1])))
             args = svc["command"]
             for flag in ("--port", "--metrics-port", "--http-port"):
                 if flag in args:
-                    container = int(args[args.index(flag) + 1])
-                    self.ports.setdefault((name, container), free_port())
+                    wanted.append((name, int(args[args.index(flag) + 1])))
+        wanted = list(dict.fromkeys(wanted))
+        self.ports: dict[tuple[str, int], int] = dict(zip(wanted, free_ports(len(wanted))))
         self.mounts: list[tuple[str, Path]] = []
         for svc in services.values():
             for vol in svc.get("volumes", []):
