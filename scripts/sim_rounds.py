@@ -104,8 +104,9 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
     while the drafter finishes its token; after a miss that comes while it drafts ahead, an empty draft (the
     server's token alone) goes out at once where the controller's acceptance is at least `empty_after_miss` (None:
     never); otherwise it finishes that token and drafts the rest of K (a fixed K always does). Neither while the
-    server queues the device's drafts (AdaptiveDraftLength.server_queues: most recent drafts waited through an
-    earlier step), where the device finishes its token and drafts K. Needs a regime without confidence."""
+    server queues the device's drafts (AdaptiveDraftLength.server_queues: most recent drafts sent at once
+    waited through an earlier step), where the device finishes its token and drafts K. Needs a regime without
+    confidence."""
     if at_once and regime.confidence is not None:
         raise ValueError("at_once is modelled for drafts without confidence only")
     r = regime
