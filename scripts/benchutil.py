@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,13 +13,9 @@ import threading
 import time
 from pathlib import Path
 
+from scripts.ports import free_port
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine() -> str:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ports import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROMPTS = [
@@ -17,12 +19,6 @@ PROMPTS = [
     ("llama-cpp", "Write a short poem about a lighthouse."),
     ("none", "Explain in two sentences why the sky is blue."),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,25 +30,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linkemu import LinkEmulator, LinkSpec  # noqa: E402
+from ports import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports: all bound at once, then released. One at a time (bind, read, close), the kernel
-    could hand the same port out again: a run once gave the server's gRPC and metrics ports the same number, the
-    server never became healthy, and the simulation waited out its timeout."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            socks.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def load_compose(path: Path) -> dict:

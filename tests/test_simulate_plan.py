@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import scripts.ports as ports
 import scripts.simulate as simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def test_the_services_get_distinct_ports_though_the_kernel_reuses_a_released_one
         def __exit__(self, *exc):
             self.close()
 
-    monkeypatch.setattr(simulate.socket, "socket", Socket)
+    monkeypatch.setattr(ports.socket, "socket", Socket)
     plan = simulate.Plan(simulate.load_compose(ROOT / "docker-compose.yml"))
     assert len(plan.ports) >= 2 and len(set(plan.ports.values())) == len(plan.ports), plan.ports
     assert plan.ports[("verify-server", 50051)] != plan.ports[("verify-server", 9400)]

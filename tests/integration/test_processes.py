@@ -3,7 +3,6 @@
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,16 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from scripts.ports import free_port
 from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.model
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

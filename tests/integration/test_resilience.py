@@ -14,7 +14,8 @@ from edge_client.generation import Resilience, _Generation
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
-from tests.integration.test_processes import BIN, free_port
+from scripts.ports import free_port
+from tests.integration.test_processes import BIN
 
 pytestmark = pytest.mark.model
 LONG = PROMPTS[21]  # "The history of the Roman Empire": runs long without EOS
