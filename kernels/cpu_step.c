@@ -61,6 +61,15 @@
 #ifndef MR_MANY /* see gemv: the most rows a block where more than two blocks are needed */
 #define MR_MANY (MR < 6 ? MR : 6)
 #endif
+#ifndef SLED_KC_SPLIT_FROM /* see gemv: with SLED_KC, the fewest rows that one block would take, taken as two */
+#define SLED_KC_SPLIT_FROM 0
+#endif
+#ifndef SLED_KC_BLOCKS /* see gemv: the most row blocks a chunked panel keeps sums for */
+#define SLED_KC_BLOCKS 8
+#endif
+#ifndef SLED_KC /* see gemv: k rows a chunk where a panel's row blocks take it chunk by chunk; 0: whole panels */
+#define SLED_KC 0
+#endif
 #ifndef SLED_PREFETCH_SPREAD
 #define SLED_PREFETCH_SPREAD 1 /* see gemv; 0 prefetches the next panel in the first block only */
 #endif
@@ -73,6 +82,9 @@
 #else
 #define SLED_PREFETCH_MIN_ROWS 3
 #endif
+#endif
+#if SLED_KC < 0
+#error "SLED_KC must be 0 (whole panels) or a positive number of k rows"
 #endif
 #if MR < 1 || MR > 8 || NV < 1 || MR_MANY < 1 || MR_MANY > MR
 #error "MR (batch rows per block) must be 1 to 8, MR_MANY 1 to MR and NV positive"
@@ -264,12 +276,14 @@ struct sled_model {
 
 /* c = x[0:mb, :] times one panel: c[m][v] holds outputs v VL .. v VL + VL - 1 of the panel for batch row m.
  * Each step over k also prefetches the bytes pf + k * pfstep .. + pfstep, a line each: gemv passes its share of the
- * next panel, or a step of 0 for none. */
+ * next panel, or a step of 0 for none. With `more`, the sums go on from c (the panel's earlier k rows, a chunk
+ * before: the same additions in the same order as in one pass). */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int mb, const float *p,
-                                                         int64_t K, vf c[MR][NV], const char *pf, int64_t pfstep) {
+                                                         int64_t K, vf c[MR][NV], const char *pf, int64_t pfstep,
+                                                         int more) {
     vf acc[MR][NV];  /* local, so they live in registers; c is written once at the end */
     for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) acc[m][v] = (vf){0};
+        for (int v = 0; v < NV; ++v) acc[m][v] = more && m < mb ? c[m][v] : (vf){0};
     for (int64_t k = 0; k < K; ++k) {
         vf w[NV];
         for (int64_t o = 0; o < pfstep; o += 64) __builtin_prefetch(pf + k * pfstep + o, 0, 1);
@@ -301,8 +315,8 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
  * is memory-bound; the same logits, bit for bit. */
 #define SLED_BLOCK(R)                                                                                           \
     static __attribute__((noinline)) void block_##R(const float *x, int64_t ldx, const float *p, int64_t K,    \
-                                                    vf c[MR][NV], const char *pf, int64_t pfstep) {            \
-        block(x, ldx, R, p, K, c, pf, pfstep);                                                                \
+                                                    vf c[MR][NV], const char *pf, int64_t pfstep, int more) {  \
+        block(x, ldx, R, p, K, c, pf, pfstep, more);                                                          \
     }
 SLED_BLOCK(1)
 #if MR >= 2
@@ -326,6 +340,51 @@ SLED_BLOCK(7)
 #if MR >= 8
 SLED_BLOCK(8)
 #endif
+
+/* One block of mb rows over kc k rows of a panel (pk), each row count its own loop. */
+static inline __attribute__((always_inline)) void run_block(int mb, const float *xm, int64_t ldx, const float *pk,
+                                                             int64_t kc, vf c[MR][NV], const char *pf, int64_t pfstep,
+                                                             int more) {
+    switch (mb) {
+    case 1: block_1(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#if MR >= 2
+    case 2: block_2(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#endif
+#if MR >= 3
+    case 3: block_3(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#endif
+#if MR >= 4
+    case 4: block_4(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#endif
+#if MR >= 5
+    case 5: block_5(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#endif
+#if MR >= 6
+    case 6: block_6(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#endif
+#if MR >= 7
+    case 7: block_7(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#endif
+#if MR >= 8
+    case 8: block_8(xm, ldx, pk, kc, c, pf, pfstep, more); break;
+#endif
+    }
+}
+
+/* y[m0 .. m0 + mb, n0 .. n0 + nn] from a block's sums, plus the bias. */
+static inline __attribute__((always_inline)) void store_block(vf c[MR][NV], int mb, int64_t m0, int64_t n0,
+                                                               int64_t nn, const float *b, float *y, int64_t ldy,
+                                                               int accumulate) {
+    for (int m = 0; m < mb; ++m) {
+        float out[NR];
+        __builtin_memcpy(out, c[m], sizeof out);
+        float *ym = y + (m0 + m) * ldy + n0;
+        for (int64_t j = 0; j < nn; ++j) {
+            float v = out[j] + (b ? b[n0 + j] : 0.f);
+            ym[j] = accumulate ? ym[j] + v : v;
+        }
+    }
+}
 
 /* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k] for w packed in panels (p), the panels
  * split across threads; each thread runs its panel over every block of MR batch rows while the panel is in cache.
@@ -368,72 +427,93 @@ SLED_BLOCK(8)
  * a block at every size (both builds in one process, interleaved, medians of 6 rounds, the same logits bit for
  * bit): the whole step 0.92x the time at 7 tokens (one block of 7 against 4 + 3), 0.95-0.97x at 13 to 16 (two
  * blocks against three), 0.97-1.01x at 1 to 6, 8 to 12, 17, 18, 20, 24 and 32. Three blocks of up to 8 rows
- * measured 1.01-1.08x the time at 20 to 24 against four of up to 6 (three passes), hence MR_MANY. */
+ * measured 1.01-1.08x the time at 20 to 24 against four of up to 6 (three passes), hence MR_MANY.
+ * With SLED_KC (k rows), a panel of two or more blocks (up to SLED_KC_BLOCKS) is taken a chunk of k rows at a time:
+ * every block runs the chunk, its sums kept between chunks (the same additions in the same order: the same results
+ * bit for bit), and the blocks prefetch the next chunk, their shares spread as above. Whole panels, the blocks after
+ * the first read the panel again from L2 (a panel of 576 k rows is 72 KB at 128 bytes a row, more than L1), each
+ * line an L1 miss holding a fill buffer that the next panel's prefetches also need, so its products wait on memory;
+ * a chunk (8 KB at 64 rows) is still in L1 for them. And with SLED_KC_SPLIT_FROM, a batch of that many rows or more
+ * that one block would take (up to MR) is taken as two, chunked: the products of one block of 5 to 8 rows ran
+ * behind its own stream. Measured on an Intel AVX-512 host (the 2-core VM above; scripts/bench_fused_builds.py,
+ * the whole step of the real model, the builds in one process, interleaved, medians of 7 rounds, the same logits
+ * bit for bit): the build before (whole panels, one block up to MR rows) took 1.06-1.14x the time of chunks of 64
+ * split from 4 rows at 4 to 8 tokens, 1.06-1.10x at 9 to 24, 1.03x at 32 and 0.95-1.01x at 1 to 3 (the same code
+ * there); in a run before, splitting from 3 rows took 0.97x the time at 3 tokens (noise-level), and from 5 none at
+ * 4 where from 3 took 0.92x. The projections alone (a C probe over the model's 121 matrices, 3 runs): 0.93x the
+ * time at 16 rows with chunks of 64, 0.92-0.96x with 32 to 128 rows a chunk. kernels/cpu_step.py builds Intel
+ * AVX-512 CPUs with SLED_KC=64 and SLED_KC_SPLIT_FROM=4 (host_defines); elsewhere (not measured) whole panels stay. */
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
     /* the same row blocks for every panel */
     int64_t nb = M <= 2 * MR ? (M + MR - 1) / MR : (M + MR_MANY - 1) / MR_MANY;
+    if (SLED_KC > 0 && SLED_KC_SPLIT_FROM > 0 && nb == 1 && M >= SLED_KC_SPLIT_FROM) nb = 2;  /* see above */
     int64_t base = nb ? M / nb : 0, extra = nb ? M % nb : 0;  /* M = 0: no logits */
 #if !SLED_BALANCED_BLOCKS
     base = M <= 2 * MR ? MR : MR_MANY, extra = 0;
 #endif
+    if (!(SLED_KC > 0 && nb >= 2 && nb <= SLED_KC_BLOCKS)) {  /* whole panels */
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < npanels; ++q) {
+            const float *pq = p + q * K * NR;
+            int64_t n0 = q * NR, nn = N - n0 < NR ? N - n0 : NR;
+            for (int64_t i = 0, m0 = 0, h; i < nb; ++i, m0 += h) {
+                h = base + (i < extra);
+                if (h > M - m0) h = M - m0;  /* the last of MR-row blocks */
+                int mb = (int)h;
+                vf c[MR][NV];
+                const char *pf = NULL;
+                int64_t pfstep = 0;  /* no prefetch */
+                if (M >= SLED_PREFETCH_MIN_ROWS && q + 1 < npanels) {
+                    const char *next = (const char *)(pq + K * NR);
+                    pfstep = NR * (int64_t)sizeof(float);
+#if SLED_PREFETCH_SPREAD
+                    /* block i of nb: its share of the next panel's K rows, a share of a row a step */
+                    pf = next + i * K / nb * NR * (int64_t)sizeof(float);
+                    pfstep /= nb;
+#else
+                    if (m0 == 0) pf = next;  /* the first block prefetches it all */
+                    else pfstep = 0;
+#endif
+                }
+                run_block(mb, x + m0 * ldx, ldx, pq, K, c, pf, pfstep, 0);
+                store_block(c, mb, m0, n0, nn, b, y, ldy, accumulate);
+            }
+        }
+        return;
+    }
+    /* chunked: each chunk of SLED_KC k rows by every block in turn, the blocks' sums kept between chunks */
+    const int64_t row = NR * (int64_t)sizeof(float);
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < npanels; ++q) {
         const float *pq = p + q * K * NR;
+        const char *next = q + 1 < npanels ? (const char *)(pq + K * NR) : NULL;
         int64_t n0 = q * NR, nn = N - n0 < NR ? N - n0 : NR;
-        for (int64_t i = 0, m0 = 0, h; i < nb; ++i, m0 += h) {
-            h = base + (i < extra);
-            if (h > M - m0) h = M - m0;  /* the last of MR-row blocks */
-            int mb = (int)h;
-            vf c[MR][NV];
-            const float *xm = x + m0 * ldx;
-            const char *pf = NULL;
-            int64_t pfstep = 0;  /* no prefetch */
-            if (M >= SLED_PREFETCH_MIN_ROWS && q + 1 < npanels) {
-                const char *next = (const char *)(pq + K * NR);
-                pfstep = NR * (int64_t)sizeof(float);
+        vf sums[SLED_KC_BLOCKS][MR][NV];
+        for (int64_t k0 = 0; k0 < K; k0 += SLED_KC) {
+            int64_t kc = K - k0 < SLED_KC ? K - k0 : SLED_KC;
+            /* what this chunk's blocks prefetch: the panel's next chunk, or the next panel's first */
+            const char *after = k0 + kc < K ? (const char *)(pq + (k0 + kc) * NR) : next;
+            int64_t after_rows = k0 + kc < K ? (K - k0 - kc < SLED_KC ? K - k0 - kc : SLED_KC)
+                                             : (K < SLED_KC ? K : SLED_KC);
+            for (int64_t i = 0, m0 = 0, h; i < nb; ++i, m0 += h) {
+                h = base + (i < extra);
+                if (h > M - m0) h = M - m0;  /* the last of MR-row blocks */
+                int mb = (int)h;
+                const char *pf = NULL;
+                int64_t pfstep = 0;  /* no prefetch */
+                if (M >= SLED_PREFETCH_MIN_ROWS && after) {
 #if SLED_PREFETCH_SPREAD
-                /* block i of nb: its share of the next panel's K rows, a share of a row a step */
-                pf = next + i * K / nb * NR * (int64_t)sizeof(float);
-                pfstep /= nb;
+                    /* block i of nb: its share of those rows, evenly over its steps */
+                    pf = after + i * after_rows / nb * row;
+                    pfstep = row * after_rows / kc / nb;
 #else
-                if (m0 == 0) pf = next;  /* the first block prefetches it all */
-                else pfstep = 0;
+                    if (m0 == 0) pf = after, pfstep = row * after_rows / kc;  /* the first block prefetches it all */
 #endif
-            }
-            switch (mb) {  /* each row count its own loop */
-            case 1: block_1(xm, ldx, pq, K, c, pf, pfstep); break;
-#if MR >= 2
-            case 2: block_2(xm, ldx, pq, K, c, pf, pfstep); break;
-#endif
-#if MR >= 3
-            case 3: block_3(xm, ldx, pq, K, c, pf, pfstep); break;
-#endif
-#if MR >= 4
-            case 4: block_4(xm, ldx, pq, K, c, pf, pfstep); break;
-#endif
-#if MR >= 5
-            case 5: block_5(xm, ldx, pq, K, c, pf, pfstep); break;
-#endif
-#if MR >= 6
-            case 6: block_6(xm, ldx, pq, K, c, pf, pfstep); break;
-#endif
-#if MR >= 7
-            case 7: block_7(xm, ldx, pq, K, c, pf, pfstep); break;
-#endif
-#if MR >= 8
-            case 8: block_8(xm, ldx, pq, K, c, pf, pfstep); break;
-#endif
-            }
-            for (int m = 0; m < mb; ++m) {
-                float out[NR];
-                __builtin_memcpy(out, c[m], sizeof out);
-                float *ym = y + (m0 + m) * ldy + n0;
-                for (int64_t j = 0; j < nn; ++j) {
-                    float v = out[j] + (b ? b[n0 + j] : 0.f);
-                    ym[j] = accumulate ? ym[j] + v : v;
                 }
+                run_block(mb, x + m0 * ldx + k0, ldx, pq + k0 * NR, kc, sums[i], pf, pfstep, k0 > 0);
+                if (k0 + kc == K) store_block(sums[i], mb, m0, n0, nn, b, y, ldy, accumulate);
             }
         }
     }

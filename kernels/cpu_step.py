@@ -58,13 +58,15 @@ def host_defines(vendor: str | None = None, flags: str | None = None) -> tuple[s
     AVX-512 prefetches the next panel from 8 rows by default, as measured on an AMD EPYC (cpu_step.c, at
     SLED_PREFETCH_MIN_ROWS). On an Intel host with AVX-512 (a 2-core VM, -march=native rocketlake) prefetching from
     1 row measured faster at every size below 8 and the same above: one session's forward of SmolLM2-135M
-    (scripts/bench_fused_builds.py, both builds in one process, interleaved; docs/benchmarks.md) took 1.05x the
-    time at 1 token, 1.12x at 2 and 1.27-1.39x at 3 to 7 without it, 0.99-1.00x at 8, 12 and 16, the same logits
-    bit for bit."""
+    (scripts/bench_fused_builds.py, both builds in one process, interleaved; docs/benchmarks.md, the run of
+    2026-11-26) took 1.05x the time at 1 token, 1.12x at 2 and 1.27-1.39x at 3 to 7 without it, 0.99-1.00x at 8,
+    12 and 16, the same logits bit for bit. There too, panels taken 64 k rows at a time by all their row blocks, and batches of 4 to 8 rows
+    taken as two blocks that way (SLED_KC, SLED_KC_SPLIT_FROM): the build without them took 1.06-1.14x the time
+    from 4 to 24 tokens (cpu_step.c, at gemv)."""
     vendor = _cpuinfo("vendor_id") if vendor is None else vendor
     flags = _cpu_id() if flags is None else flags
     if "GenuineIntel" in vendor and "avx512f" in flags.split():
-        return ("SLED_PREFETCH_MIN_ROWS=1",)
+        return ("SLED_PREFETCH_MIN_ROWS=1", "SLED_KC=64", "SLED_KC_SPLIT_FROM=4")
     return ()
 
 

@@ -94,6 +94,15 @@ LAYOUTS = {
     "avx512-16x2x6-prefetch-from-3": ("SLED_VBYTES=64", "NV=2", "MR=6", "SLED_PREFETCH_MIN_ROWS=3"),
     # what Intel AVX-512 CPUs build (host_defines): the next panel prefetched from one row, every block size
     "avx512-16x2x8-prefetch-from-1": ("SLED_VBYTES=64", "NV=2", "MR=8", "SLED_PREFETCH_MIN_ROWS=1"),
+    # panels taken a chunk of k rows at a time by all their row blocks, and one block's rows taken as two from
+    # SLED_KC_SPLIT_FROM (Intel AVX-512 CPUs build 64 and 4, host_defines): chunks of 16 here, so every shape's
+    # widths (40 to 256) take several, most with a shorter last one; split from 2 rows (1 + 1)
+    "avx512-16x2x8-k-chunks": ("SLED_VBYTES=64", "NV=2", "MR=8", "SLED_PREFETCH_MIN_ROWS=1", "SLED_KC=16",
+                               "SLED_KC_SPLIT_FROM=4"),
+    "avx2-8x2x6-k-chunks": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_KC=16", "SLED_KC_SPLIT_FROM=2"),
+    # chunks without the spread prefetch, and for two blocks at most (three fall back to whole panels)
+    "avx2-8x2x6-k-chunks-first-block-prefetch": ("SLED_VBYTES=32", "NV=2", "MR=6", "SLED_KC=24",
+                                                 "SLED_PREFETCH_SPREAD=0", "SLED_KC_BLOCKS=2"),
 }
 # The 8-float layouts are built without AVX-512 on x86, so an AVX-512 host builds what an AVX2-only CPU builds
 # (an intrinsic whose header was included for AVX-512 alone once broke the build on AVX2 CPUs only).
@@ -279,7 +288,7 @@ def test_intel_avx512_cpus_build_with_the_next_panel_prefetched_from_one_row():
 
     intel, amd = "vendor_id\t: GenuineIntel", "vendor_id\t: AuthenticAMD"
     avx512, avx2 = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512vl", "flags\t\t: fpu sse2 avx avx2 fma"
-    assert cpu_step.host_defines(intel, avx512) == ("SLED_PREFETCH_MIN_ROWS=1",)
+    assert cpu_step.host_defines(intel, avx512) == ("SLED_PREFETCH_MIN_ROWS=1", "SLED_KC=64", "SLED_KC_SPLIT_FROM=4")
     assert cpu_step.host_defines(amd, avx512) == ()  # measured better from 8 rows (cpu_step.c)
     assert cpu_step.host_defines(intel, avx2) == ()  # not measured: the AVX2 default (3 rows) stays
     assert cpu_step.host_defines("", "Features\t: fp asimd") == ()  # an ARM CPU
