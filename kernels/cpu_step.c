@@ -65,7 +65,7 @@
 #define SLED_KC_SPLIT_FROM 0
 #endif
 #ifndef SLED_KC_BLOCKS /* see gemv: the most row blocks a chunked panel keeps sums for */
-#define SLED_KC_BLOCKS 8
+#define SLED_KC_BLOCKS 6
 #endif
 #ifndef SLED_KC /* see gemv: k rows a chunk where a panel's row blocks take it chunk by chunk; 0: whole panels */
 #define SLED_KC 0
@@ -442,7 +442,9 @@ static inline __attribute__((always_inline)) void store_block(vf c[MR][NV], int 
  * there); in a run before, splitting from 3 rows took 0.97x the time at 3 tokens (noise-level), and from 5 none at
  * 4 where from 3 took 0.92x. The projections alone (a C probe over the model's 121 matrices, 3 runs): 0.93x the
  * time at 16 rows with chunks of 64, 0.92-0.96x with 32 to 128 rows a chunk. kernels/cpu_step.py builds Intel
- * AVX-512 CPUs with SLED_KC=64 and SLED_KC_SPLIT_FROM=4 (host_defines); elsewhere (not measured) whole panels stay. */
+ * AVX-512 CPUs with SLED_KC=64 and SLED_KC_SPLIT_FROM=4 (host_defines); elsewhere (not measured) whole panels stay.
+ * Chunks stop at 6 blocks (SLED_KC_BLOCKS; 36 rows at MR_MANY 6): with 7 and 8 (37 to 48 rows) the build before took
+ * 0.96-1.00x the time at 40 to 48 tokens (0.99x at 36, 1.03x at 32; 0.97x at 56, the same code there). */
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
