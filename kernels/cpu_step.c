@@ -455,6 +455,9 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
 #if !SLED_BALANCED_BLOCKS
     base = M <= 2 * MR ? MR : MR_MANY, extra = 0;
 #endif
+    /* Whole panels keep the loop they had before chunks, apart from the chunked one below: run as one chunk of K
+     * rows there (a first form), the steps of 1 to 8 tokens, the same work, measured 1.03-1.06x the time in one
+     * bench_fused_builds run (not repeated, so possibly the host's noise); apart, the code they run is unchanged. */
     if (!(SLED_KC > 0 && nb >= 2 && nb <= SLED_KC_BLOCKS)) {  /* whole panels */
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < npanels; ++q) {
