@@ -5,14 +5,17 @@
 1. Record: for each prompt, the target's greedy output (through SLED) and, at every prefix of it,
    the real drafter's greedy proposal of up to 8 tokens (llama.cpp Q4_1); and one drafter's time per
    token when it runs alone on this machine before the server starts (a device has its own hardware: the
-   drafter uses this machine's cores, --device-threads; the median of three runs).
+   drafter uses this machine's cores, --device-threads; the median of three runs), and its prefill time per
+   prompt token, from each request's first token as it goes through the prompts in turn (its KV cache keeps the
+   system prompt they share, so a request prefills only the rest).
 2. Replay: devices propose exactly what the real drafter proposes at their context (contexts are
-   prefixes of the fixed greedy output), sleeping for the drafting time instead of computing, so the
-   server's capacity is measured apart from drafting: on one 2-core machine, drafters and server
-   would otherwise share the cores. Any K, fixed or adaptive, replays the same drafter.
+   prefixes of the fixed greedy output), sleeping for the drafting time instead of computing (and for the
+   prompt's prefill before a request's first token), so the server's capacity is measured apart from drafting:
+   on one 2-core machine, drafters and server would otherwise share the cores. Any K, fixed or adaptive, replays
+   the same drafter.
    Modes: `sled` (replayed drafts), `server-only` (the same server decodes every token, batched),
    `device-only` (the drafter alone, unverified: each device is its own hardware, so N devices give
-   N times one device's measured rate).
+   N times one device's measured rate over requests of --max-tokens, each prompt's prefill included).
 3. `sled` rows use the adaptive draft length and drafting ahead (the defaults); fixed K = 2, 4, 8 run beside it,
    and so does the adaptive K without drafting ahead (`sled-no-ahead` in the JSON: each device waits for its
    verdict before drafting on), and with a device that finishes the token it drafts ahead before answering a
@@ -78,6 +81,7 @@ from edge_client.adaptive import AdaptiveDraftLength  # noqa: E402
 from edge_client.cli import describe_kernels  # noqa: E402
 from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.drafters.base import Proposal  # noqa: E402
+from edge_client.drafters.kv_drafter import common_prefix  # noqa: E402
 from edge_client.generation import EMPTY_AFTER_MISS, generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.transport import VerifierClient, fetch_info  # noqa: E402
@@ -94,13 +98,26 @@ class DraftClock:
         self._lock = threading.Lock()
         self.asked = self.took = 0.0
         self.tokens = 0
+        # the prompts' prefill, apart from the tokens: what it asked and took, over how many requests
+        self.prefill_asked = self.prefill_took = 0.0
+        self.prefills = 0
 
     def add(self, asked: float, took: float, tokens: int) -> None:
         with self._lock:
             self.asked, self.took, self.tokens = self.asked + asked, self.took + took, self.tokens + tokens
 
+    def add_prefill(self, asked: float, took: float) -> None:
+        with self._lock:
+            self.prefill_asked, self.prefill_took = self.prefill_asked + asked, self.prefill_took + took
+            self.prefills += 1
+
     def ms_per_token(self) -> float:
         return self.took / self.tokens * 1000 if self.tokens else float("nan")
+
+    def prefill_share(self) -> float:
+        """The share of the drafters' time spent prefilling prompts; nan before any drafting."""
+        total = self.took + self.prefill_took
+        return self.prefill_took / total if total else float("nan")
 
 
 class ReplayDrafter:
@@ -114,10 +131,14 @@ class ReplayDrafter:
     name = "replay"
 
     def __init__(self, rounds: dict[int, list[int]], seconds_per_token: float, full: list[int] | None = None,
-                 confidence: dict[int, list[float]] | None = None, clock: DraftClock | None = None):
+                 confidence: dict[int, list[float]] | None = None, clock: DraftClock | None = None,
+                 prefill_s: float = 0.0):
         self.rounds, self.spt, self.prefixes, self.confidence = rounds, seconds_per_token, full, confidence
         self.clock = clock
         self.owed = 0.0  # what earlier sleeps overran, taken off the next ones
+        # The prompt's prefill, spent before the first token: a real drafter feeds the prompt's tokens past what its
+        # KV cache kept from the device's last request (the shared system prompt) at its first propose.
+        self.prefill_s = prefill_s
 
     def begin(self, context, sampling):
         pass
@@ -149,14 +170,17 @@ class ReplayDrafter:
         devices on the H100 machine the devices drafted about a quarter slower than asked (a probe, not in the repo;
         its figures are in commit fd13708's message), which a real device, drafting on its own cores, does not. Carried over, the overrun leaves the average at the rate asked
         while it stays under a token's time (the section reports the rate reached)."""
-        asked = self.spt * drafted
+        prefill, self.prefill_s = self.prefill_s, 0.0  # the prompt's, before the first token only
+        asked = self.spt * drafted + prefill
         t0 = time.perf_counter()
         if asked - self.owed > 0:
             time.sleep(asked - self.owed)
         took = time.perf_counter() - t0
         self.owed = max(0.0, self.owed + took - asked)
         if self.clock is not None:
-            self.clock.add(asked, took, drafted)
+            if prefill:  # one sleep for both; what it took is shared out as asked
+                self.clock.add_prefill(prefill, took * prefill / asked)
+            self.clock.add(asked - prefill, took * (1 - prefill / asked), drafted)
 
     def accept(self, context, ahead=()):
         pass
@@ -240,6 +264,54 @@ def synthesize_tables(fulls: list[list[int]], prompt_lens: list[int], match: flo
 def prompts(tokenizer, n):
     return [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
             for i in range(n)]
+
+
+def drafting_ms_alone(drafter, prompt: list[int], tokens: int, runs: int = 3) -> list[float]:
+    """A drafter alone: ms per token of each of `runs` runs of `tokens` greedy tokens after `prompt` (the first run
+    also prefills the prompt; the later ones find it in the drafter's KV cache)."""
+    out = []
+    for _ in range(runs):
+        context = list(prompt)
+        drafter.begin(context, SamplingParams())
+        t1 = time.perf_counter()
+        for _ in range(tokens):
+            context += drafter.propose(context, 1).token_ids
+        out.append((time.perf_counter() - t1) / tokens * 1000)
+    return out
+
+
+def prefill_tokens(prompt_ids: list[list[int]]) -> list[int]:
+    """Per prompt: the tokens a device's drafter prefills for it when its last request was the prompt before it (the
+    devices take the prompts in turn), past the first: the drafter's KV cache keeps the common prefix (the chat
+    template's system prompt) and feeds the rest in one batch, whose last token's cost is that of a drafting step."""
+    return [max(0, len(ids) - common_prefix(prompt_ids[i - 1], ids) - 1) for i, ids in enumerate(prompt_ids)]
+
+
+def measure_prefill(drafter, prompt_ids: list[list[int]], seconds_per_token: float, passes: int = 2,
+                    tokens: int = 8) -> tuple[float, list[float]]:
+    """The real drafter's prefill time per prompt token (prefill_tokens), as a device meets it: requests of `tokens`
+    tokens through the prompts in turn, `passes` times (the first pass uncounted: its first prompt finds a cache
+    from elsewhere); each request's first token takes a drafting step plus the prefill. Returns the median over the
+    counted requests, in seconds per token, and each one's ms."""
+    counts, samples = prefill_tokens(prompt_ids), []
+    for rep in range(passes):
+        for ids, n in zip(prompt_ids, counts):
+            context = list(ids)
+            t0 = time.perf_counter()
+            context += drafter.propose(context, 1).token_ids
+            first = time.perf_counter() - t0
+            for _ in range(tokens - 1):
+                context += drafter.propose(context, 1).token_ids
+            if rep and n:
+                samples.append((first - seconds_per_token) / n)
+    per = max(0.0, float(np.median(samples))) if samples else 0.0
+    return per, [x * 1000 for x in samples]
+
+
+def device_only_rate(seconds_per_token: float, prefill_s: list[float], max_tokens: int) -> float:
+    """One device's drafter alone, in tokens/s over requests of max_tokens: their drafting steps and, per request,
+    its prompt's prefill (the mean over the prompts, which the devices take in turn)."""
+    return max_tokens / (max_tokens * seconds_per_token + (float(np.mean(prefill_s)) if prefill_s else 0.0))
 
 
 class Timeline:
@@ -644,7 +716,21 @@ def drafting_line(runs: dict, spt: float) -> str:
         return ""
     return (f"- the replayed devices drafted at {min(reached):.2f}-{max(reached):.2f} ms/token (median "
             f"{float(np.median(reached)):.2f}) over the counted runs, {spt * 1000:.2f} asked: each device sleeps its "
-            "drafting time less what its earlier sleeps overran (every device runs in this one process)\n")
+            "drafting time (and each prompt's prefill) less what its earlier sleeps overran (every device runs in "
+            "this one process)\n")
+
+
+def prefill_line(counts: list[int], ms_per_token: float, source: str | None) -> str:
+    """The section's line on the devices' prompt prefill, which the replayed drafters spend before each request's
+    first token."""
+    if not ms_per_token:
+        return ("- the devices' prompt prefill is not charged (" + (source or "no llama.cpp where this ran to measure it, "
+                "and none given") + "): SLED's and device-only's figures leave out a real drafter's time on each "
+                "request's prompt\n")
+    return (f"- each request's prompt prefill, spent by the replayed drafter before its first token: "
+            f"{ms_per_token:.2f} ms per prompt token past the system prompt its KV cache keeps from the device's last "
+            f"request" + (f" ({source})" if source else "") + f", {min(counts)}-{max(counts)} tokens a prompt, so "
+            f"{min(counts) * ms_per_token:.0f}-{max(counts) * ms_per_token:.0f} ms a request\n")
 
 
 def server_flags(devices: int, max_wait_ms: float) -> list[str]:
@@ -842,9 +928,14 @@ def drafting_use_line(counts: list[int], by: dict) -> str:
         if busy is None or ends is None or ms is None or np.isnan(ms):
             continue
         rate = 1000.0 / ms
-        got = ratio(r["per_device_tokens_per_s"], busy * rate)
-        parts.append(f"{n} devices busy {busy:.0%}, idle {ends:.0%} around requests' ends and {1 - busy - ends:.0%} "
-                     f"inside them, {got:.2f} committed per token drafted ({rate:.1f} × {busy:.2f} × {got:.2f} = "
+        prefill = r.get("drafting_prefill_share")
+        prefill = 0.0 if prefill is None or np.isnan(prefill) else prefill
+        drafting = busy * (1 - prefill)  # the share on tokens, the prompts' prefill taken off
+        got = ratio(r["per_device_tokens_per_s"], drafting * rate)
+        parts.append(f"{n} devices busy {busy:.0%}"
+                     + (f" ({busy * prefill:.0%} of the window prefilling prompts)" if prefill else "")
+                     + f", idle {ends:.0%} around requests' ends and {1 - busy - ends:.0%} "
+                     f"inside them, {got:.2f} committed per token drafted ({rate:.1f} × {drafting:.2f} × {got:.2f} = "
                      f"{r['per_device_tokens_per_s']:.1f} tok/s a device)")
     if not parts:
         return ""
@@ -852,8 +943,8 @@ def drafting_use_line(counts: list[int], by: dict) -> str:
             "spent drafting, the share it stood idle around the end of a request (from its last token drafted before "
             "the request's final verdict to its first of the next request) and inside requests, and the tokens "
             "committed per token's drafting time (below 1 where drafts ahead are thrown away after a miss, above "
-            "where the server's own tokens add to them); the drafting rate reached × busy × that is the per-device "
-            "rate: " + ", ".join(parts) + "\n")
+            "where the server's own tokens add to them); the drafting rate reached × the share busy on tokens (the "
+            "prompts' prefill taken off) × that is the per-device rate: " + ", ".join(parts) + "\n")
 
 
 def load_line(counts: list[int], by: dict, costs: list[tuple[str, dict[int, float]]]) -> str:
@@ -982,6 +1073,11 @@ def main() -> int:
     ap.add_argument("--device-ms-per-token", type=float,
                     help="drafting time per token on a device (default: the one a --draft-match FILE recorded, else "
                          "measured here for llama.cpp Q4_1 with --device-threads)")
+    ap.add_argument("--device-prefill-ms-per-token", type=float, metavar="MS",
+                    help="a device's prefill time per prompt token past the system prompt its drafter keeps cached, "
+                         "spent before each request's first token (default: the one a --draft-match FILE recorded, "
+                         "else measured here for llama.cpp Q4_1 with --device-threads; 0 where neither can be had, "
+                         "and the section says so)")
     ap.add_argument("--device-threads", type=int, default=os.cpu_count() or 1,
                     help="llama.cpp threads of the drafter measured alone for the devices' drafting time (default: "
                          "this machine's cores, %(default)s: each replayed device stands for a machine like this one "
@@ -1024,6 +1120,7 @@ def main() -> int:
     random_target = bool(args.target and args.target.startswith("random:"))
     match_source = None
     drafting_source = None  # where --device-ms-per-token came from when it was not given
+    prefill_source = None  # and --device-prefill-ms-per-token
     if args.draft_match is not None and args.draft_match.endswith(".json"):
         try:
             measured = json.loads(Path(args.draft_match).read_text())
@@ -1034,6 +1131,9 @@ def main() -> int:
                 # The drafter's speed measured with the match stands for the devices', unless one is given.
                 args.device_ms_per_token = float(measured["drafting_ms_per_token"])
                 drafting_source = "the real drafter's, measured with the match"
+            if args.device_prefill_ms_per_token is None and measured.get("prefill_ms_per_token") is not None:
+                args.device_prefill_ms_per_token = float(measured["prefill_ms_per_token"])
+                prefill_source = "the real drafter's, measured with the match"
         except (OSError, ValueError, KeyError, TypeError) as err:
             ap.error(f"--draft-match {args.draft_match}: not a --match-only JSON file ({err})")
     elif args.draft_match is not None:
@@ -1043,6 +1143,8 @@ def main() -> int:
             ap.error(f"--draft-match must be a probability or a --match-only JSON file, got {args.draft_match!r}")
     if args.draft_match is None and random_target:
         args.draft_match = 0.95
+    if args.device_prefill_ms_per_token is not None and prefill_source is None:
+        prefill_source = "as given"
     if args.repeats < 1:
         ap.error("--repeats must be positive")
     if args.seconds <= 0 or args.warmup_s < 0:
@@ -1055,6 +1157,8 @@ def main() -> int:
         ap.error("--device-threads must be positive")
     if args.device_ms_per_token is not None and args.device_ms_per_token <= 0:
         ap.error("--device-ms-per-token must be positive")
+    if args.device_prefill_ms_per_token is not None and not 0 <= args.device_prefill_ms_per_token < 60_000:
+        ap.error("--device-prefill-ms-per-token must be in [0, 60000)")
     if args.match_only and (args.draft_match is not None or random_target):
         ap.error("--match-only measures the real drafter against the real target: no --draft-match or random target")
     if args.tokenizer and not random_target:
@@ -1075,7 +1179,7 @@ def main() -> int:
 
     tokenizer = device_tokenizer(args.tokenizer)
     ids = prompts(tokenizer, args.recordings)
-    alone_ms = []
+    alone_ms, prefill_samples = [], []
     if args.device_ms_per_token is not None:
         device_spt = args.device_ms_per_token / 1000
         print(f"[bench] drafting time per token ({drafting_source or 'as given'}): {device_spt * 1000:.1f} ms",
@@ -1084,17 +1188,37 @@ def main() -> int:
         # Device-only, and the device's drafting time: one drafter alone, unverified, before the server starts (a
         # device has its own hardware); the median of three runs, as this machine's speed wanders.
         alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=args.device_threads))
-        for _ in range(3):
-            context = list(ids[0])
-            alone.begin(context, SamplingParams())
-            t1 = time.perf_counter()
-            for _ in range(args.max_tokens):
-                context += alone.propose(context, 1).token_ids
-            alone_ms.append((time.perf_counter() - t1) / args.max_tokens * 1000)
-        alone.close()
+        alone_ms = drafting_ms_alone(alone, ids[0], args.max_tokens)
         device_spt = float(np.median(alone_ms)) / 1000
         print(f"[bench] one llama.cpp drafter alone, {args.device_threads} thread(s): "
               f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; median {device_spt * 1000:.1f}", flush=True)
+        if args.device_prefill_ms_per_token is None:
+            per, prefill_samples = measure_prefill(alone, ids, device_spt)
+            args.device_prefill_ms_per_token = per * 1000
+        alone.close()
+    if args.device_prefill_ms_per_token is None and importlib.util.find_spec("llama_cpp") is not None:
+        # The drafting time was given: the prefill is still the real drafter's, measured alone here.
+        alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=args.device_threads))
+        # its own time per token, to take off each request's first token
+        alone_spt = float(np.median(drafting_ms_alone(alone, ids[0], args.max_tokens))) / 1000
+        per, prefill_samples = measure_prefill(alone, ids, alone_spt)
+        args.device_prefill_ms_per_token = per * 1000
+        alone.close()
+    if prefill_samples:
+        print(f"[bench] the drafter's prefill, per prompt token past the cached system prompt: "
+              f"{', '.join(f'{x:.2f}' for x in prefill_samples)} ms; median "
+              f"{args.device_prefill_ms_per_token:.2f}", flush=True)
+        prefill_source = (f"one llama.cpp drafter alone, {args.device_threads} thread"
+                          f"{'s' * (args.device_threads > 1)}, through the prompts in turn: the median of "
+                          f"{len(prefill_samples)} requests' first token over a drafting step")
+    if args.device_prefill_ms_per_token is None:
+        args.device_prefill_ms_per_token = 0.0
+        print("[bench] the devices' prompt prefill is not charged: no llama.cpp here and none given "
+              "(--device-prefill-ms-per-token, or a --match-only file that records it)", flush=True)
+    elif not prefill_samples:
+        print(f"[bench] the devices' prompt prefill per token ({prefill_source}): "
+              f"{args.device_prefill_ms_per_token:.2f} ms", flush=True)
+    prefill_s = [n * args.device_prefill_ms_per_token / 1000 for n in prefill_tokens(ids)]
     spt = device_spt
     server = ServerProcess(*server_flags(top, args.max_wait_ms), *extra)
     address = server.start()
@@ -1118,7 +1242,7 @@ def main() -> int:
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.json).write_text(json.dumps({
                         "draft_match": real_match[0], "by_position": real_match[1], "drafting_ms_per_token": spt * 1000,
-                        "recordings": len(ids), "max_tokens": args.max_tokens, "machine": machine(),
+                        "prefill_ms_per_token": args.device_prefill_ms_per_token, "recordings": len(ids), "max_tokens": args.max_tokens, "machine": machine(),
                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}, indent=2))
                     print(f"[bench] wrote {args.json}")
                 return 0
@@ -1145,7 +1269,7 @@ def main() -> int:
                 w = asyncio.run(run_window(
                     address, tokenizer,
                     lambda p: ReplayDrafter(tables[p], spt, fulls[p] if fulls else None,
-                                            confidences[p] if confidences else None, clock), ids, n,
+                                            confidences[p] if confidences else None, clock, prefill_s[p]), ids, n,
                     args.max_tokens, k, args.warmup_s, args.seconds, adaptive=adaptive,
                     draft_ahead=mode != "no-ahead", answer_at_once=mode != "finish-first",
                     empty_after_miss=None if mode == "afresh-after-miss" else EMPTY_AFTER_MISS))
@@ -1153,13 +1277,15 @@ def main() -> int:
                 row = summarize(VARIANTS.get(mode, f"sled-k{mode}"), n, w)
                 row["k"] = mode
                 row["drafting_ms_per_token"] = clock.ms_per_token()
+                row["drafting_prefill_share"] = clock.prefill_share()
             row["repeat"] = rep
             if rep >= 0:  # the warm-up pass is not counted
                 runs[(n, mode)].append(row)
         rows, adaptive_rows, waiting_rows = pick_medians(runs)
+        alone_rate = device_only_rate(device_spt, prefill_s, args.max_tokens)
         for n in counts:
-            rows.append({"mode": "device-only", "devices": n, "system_tokens_per_s": n / device_spt,
-                         "per_device_tokens_per_s": 1 / device_spt, "p50_inter_token_ms": device_spt * 1000,
+            rows.append({"mode": "device-only", "devices": n, "system_tokens_per_s": n * alone_rate,
+                         "per_device_tokens_per_s": alone_rate, "p50_inter_token_ms": device_spt * 1000,
                          "p95_inter_token_ms": device_spt * 1000, "acceptance_rate": 0.0, "mean_draft_tokens": 0.0,
                          "server_step_ms": 0.0, "server_forward_ms": 0.0, "server_batch_sessions": 0.0,
                          "server_busy_share": 0.0})
@@ -1205,6 +1331,7 @@ def main() -> int:
            "the server started: "
            f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; the median)" if alone_ms else "")
         + f"; `sled` uses the adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"
+        + prefill_line(prefill_tokens(ids), args.device_prefill_ms_per_token, prefill_source)
         + drafting_line(runs, spt)
         + "- server: prefix cache on (the default); every prompt starts with the chat template's "
         "system prompt, so prompt tokens copied from the prefix cache (sled / server-only): "
@@ -1220,7 +1347,8 @@ def main() -> int:
                     for n in counts) + "\n"
         f"- capacity (largest tested device count with p95 inter-token latency ≤ {args.slo_ms:g} ms): "
         + ", ".join(f"{m} {c}" for m, c in capacity.items()) + "\n"
-        "- device-only is the drafter alone (not target quality), N devices = N × one device's measured rate\n"
+        "- device-only is the drafter alone (not target quality), N devices = N × one device's rate: requests of "
+        f"{args.max_tokens} tokens at the drafting time per token, each after its prompt's prefill\n"
         "- server busy: the share of the window the server spent in its steps (batching, forward, sampling)\n"
         + ("- a warm-up pass ran every configuration once before the counted ones\n" if args.warmup_pass else "")
         + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "

@@ -441,3 +441,102 @@ def test_the_drafting_line_gives_busy_idle_and_what_each_drafted_token_brought()
     assert report_tables([4, 16], rows, adaptive_rows, waiting_rows, slo_ms=150.0)["drafting"] == line
     del by[("sled", 4)]["drafting_busy_share"]
     assert drafting_use_line([4, 16], by) == ""
+
+
+def test_a_replayed_request_spends_its_prompt_s_prefill_once_before_its_first_token(monkeypatch):
+    """A real drafter feeds a new request's prompt (past the system prompt its KV cache kept) at its first propose:
+    the replay sleeps that time once, before the first token's, and the clock keeps it apart from the tokens', so
+    the per-token figure stays the drafting rate. An overrun of the prefill's sleep is carried like any other."""
+    import scripts.bench_system as bench
+
+    now, sleeps = [0.0], []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        now[0] += seconds + 0.001
+
+    monkeypatch.setattr(bench.time, "sleep", sleep)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    clock = bench.DraftClock()
+    full = list(range(100))
+    drafter = bench.ReplayDrafter({n: full[n:n + 8] for n in range(2, 90)}, 0.005, full, clock=clock, prefill_s=0.03)
+    assert drafter.propose(full[:2], 2).token_ids == [2, 3]
+    assert sleeps == [pytest.approx(0.04)]  # the prefill and two tokens, in one sleep
+    for n in (4, 5):
+        drafter.propose(full[:n], 1)
+    assert sleeps[1:] == [pytest.approx(0.004), pytest.approx(0.004)]  # no second prefill; the overrun carried
+    # the first sleep took 41 ms, shared out as asked: 30.75 to the prefill, 10.25 to its two tokens
+    assert clock.prefills == 1 and clock.prefill_asked == pytest.approx(0.03)
+    assert clock.prefill_took == pytest.approx(0.03075)
+    assert clock.tokens == 4 and clock.asked == pytest.approx(0.02) and clock.took == pytest.approx(0.01025 + 0.01)
+    assert clock.prefill_share() == pytest.approx(0.03075 / (0.03075 + 0.02025))
+    assert math.isnan(bench.DraftClock().prefill_share())
+    # Without a prefill (the default) the first token is like any other.
+    plain = bench.ReplayDrafter({2: [2, 3]}, 0.005, full)
+    sleeps.clear()
+    plain.propose(full[:2], 1)
+    assert sleeps == [pytest.approx(0.005)]
+
+
+def test_a_prompt_prefills_the_tokens_past_what_it_shares_with_the_prompt_before_it():
+    """Devices take the prompts in turn, so a request follows the prompt before it (the first follows the last);
+    the drafter keeps their common prefix and prefills the rest, whose last token costs a drafting step."""
+    from scripts.bench_system import prefill_tokens
+
+    system = [1, 2, 3, 4]
+    # the first after the third, of which it is a prefix: only its last token, fed again, a drafting step
+    assert prefill_tokens([system + [5, 6, 7], system + [8, 9], system + [5, 6, 7, 10]]) == [0, 1, 3]
+    assert prefill_tokens([system + [5]]) == [0]  # one prompt after itself: nothing new but its last token
+    assert prefill_tokens([[7, 8], [9]]) == [1, 0]
+
+
+def test_measured_prefill_is_each_counted_request_s_first_token_over_a_drafting_step_per_prompt_token(monkeypatch):
+    """A fake drafter whose propose costs 10 ms plus 3 ms for each context token past its KV cache but the last: the
+    measure recovers 3 ms per token from the second pass (the first finds a cache from elsewhere)."""
+    import scripts.bench_system as bench
+
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+
+    class Fake:
+        def __init__(self):
+            self.cached = [99]
+
+        def propose(self, context, k):
+            new = len(context) - bench.common_prefix(self.cached, context)
+            now[0] += 0.010 + 0.003 * max(0, new - 1)
+            self.cached = list(context) + [context[-1] + 100]
+            return bench.Proposal([context[-1] + 100])
+
+    system = [1, 2, 3]
+    prompts = [system + [10, 11, 12], system + [20, 21], system + [30, 31, 32, 33]]
+    per, samples = bench.measure_prefill(Fake(), prompts, 0.010, tokens=4)
+    assert per == pytest.approx(0.003)
+    assert samples == pytest.approx([3.0, 3.0, 3.0])  # one a prompt, the second pass only
+
+
+def test_device_only_pays_each_request_s_prefill_and_the_section_says_what_was_charged():
+    from scripts.bench_system import device_only_rate, prefill_line
+
+    # 64 tokens at 10 ms and prefills of 40 and 20 ms (30 on average): 64 tokens in 670 ms
+    assert device_only_rate(0.010, [0.04, 0.02], 64) == pytest.approx(64 / 0.67)
+    assert device_only_rate(0.010, [], 64) == pytest.approx(100.0)
+    line = prefill_line([10, 17, 12], 2.9, "measured here")
+    assert "2.90 ms per prompt token" in line and "(measured here)" in line and "10-17 tokens a prompt" in line
+    assert line.endswith("so 29-49 ms a request\n")
+    assert "not charged" in prefill_line([10, 17], 0.0, None)
+
+
+def test_the_drafting_line_takes_the_prompts_prefill_off_the_time_busy_on_tokens():
+    from scripts.bench_system import drafting_use_line
+
+    rows, adaptive_rows, waiting_rows = pick_medians(synthetic_runs())
+    rows += [device_only(4), device_only(16)]
+    by = {(r["mode"], r["devices"]): r for r in rows}
+    # busy 75% of the window, a fifth of it prefilling: 60% on tokens at 100 tok/s brought 37.5, 0.625 each
+    by[("sled", 4)].update(drafting_busy_share=0.75, drafting_idle_at_request_ends_share=0.2, drafting_ms_per_token=10.0,
+                           drafting_prefill_share=0.2)
+    line = drafting_use_line([4, 16], by)
+    assert line.endswith(": 4 devices busy 75% (15% of the window prefilling prompts), idle 20% around requests' ends "
+                         "and 5% inside them, 0.62 committed per token drafted (100.0 × 0.60 × 0.62 = 37.5 tok/s a "
+                         "device)\n")

@@ -256,10 +256,11 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     script = Path(__file__).resolve().parents[2] / "scripts" / "bench_system.py"
     md, rows_path, plots = tmp_path / "bench.md", tmp_path / "rows.json", tmp_path / "plots"
     md.write_text("# Benchmarks\n\n## Engine speed: kept\n\nother section\n")
-    # What --match-only writes: the match and the drafter's speed, which stands for the devices' when none is given.
+    # What --match-only writes: the match and the drafter's speed and prefill, which stand for the devices' when none
+    # is given.
     match = tmp_path / "match.json"
     match.write_text(json.dumps({"draft_match": 0.9, "by_position": [0.9], "drafting_ms_per_token": 10.0,
-                                 "recordings": 8, "max_tokens": 64, "machine": "a test host",
+                                 "prefill_ms_per_token": 2.0, "recordings": 8, "max_tokens": 64, "machine": "a test host",
                                  "date": "2026-11-24 00:00 UTC"}))
     done = subprocess.run([sys.executable, str(script), "--target", "random:llama-tiny", "--draft-match", str(match),
                            "--devices", "1", "--seconds", "1.5", "--warmup-s", "0.3",
@@ -295,7 +296,17 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert ("each drafted position right with probability 0.900 (the real pair's match, measured by `--match-only` on "
             "a test host at 2026-11-24 00:00 UTC over 8 greedy outputs), replayed at 10.0 ms/token of drafting per "
             "device (the real drafter's, measured with the match)") in text
-    assert next(r for r in rows if r["mode"] == "device-only")["per_device_tokens_per_s"] == pytest.approx(100.0)
+    # each request's prompt prefill, at the recorded 2 ms per prompt token past the shared system prompt
+    from scripts.bench_system import device_tokenizer, prefill_tokens, prompts
+    counts = prefill_tokens(prompts(device_tokenizer(None), 2))
+    assert min(counts) > 0
+    assert (f"- each request's prompt prefill, spent by the replayed drafter before its first token: 2.00 ms per prompt "
+            f"token past the system prompt its KV cache keeps from the device's last request (the real drafter's, "
+            f"measured with the match), {min(counts)}-{max(counts)} tokens a prompt") in text
+    # device-only: requests of 16 tokens at 10 ms, each after its prompt's prefill
+    assert next(r for r in rows if r["mode"] == "device-only")["per_device_tokens_per_s"] == pytest.approx(
+        16 / (0.16 + 0.002 * sum(counts) / len(counts)))
+    assert 0 < sled["drafting_prefill_share"] < 0.5
     # the drafting rate the replayed devices reached, per run and over the runs
     assert sled["drafting_ms_per_token"] >= 10.0 - 1e-6
     assert re.search(r"- the replayed devices drafted at [\d.]+-[\d.]+ ms/token \(median [\d.]+\) over the counted "
@@ -325,7 +336,8 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
                      r"server-only \d+%( \([\d.]+ ms\))?\n", text)
     assert 0 <= sled["queued_drafts_share"] <= 1
     # where the devices fall short of their drafters' rate: the parts of the window, and their product
-    found = re.search(r"- where the devices fall short of their drafters' rate \(sled rows\): .*: 1 devices busy (\d+)%, "
+    found = re.search(r"- where the devices fall short of their drafters' rate \(sled rows\): .*: 1 devices busy (\d+)% "
+                      r"\(\d+% of the window prefilling prompts\), "
                       r"idle (\d+)% around requests' ends and (-?\d+)% inside them, ([\d.]+) committed per token "
                       r"drafted \(([\d.]+) × ([\d.]+) × ([\d.]+) = ([\d.]+) tok/s a device\)\n", text)
     assert found, text
@@ -336,8 +348,9 @@ def test_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
     assert busy == pytest.approx(100 * sled["drafting_busy_share"], abs=0.51)
     assert ends == pytest.approx(100 * sled["drafting_idle_at_request_ends_share"], abs=0.51)
     assert float(found[5]) == pytest.approx(1000 / sled["drafting_ms_per_token"], abs=0.051)
-    assert float(found[6]) == pytest.approx(sled["drafting_busy_share"], abs=0.0051)
-    got = sled["per_device_tokens_per_s"] / (sled["drafting_busy_share"] * 1000 / sled["drafting_ms_per_token"])
+    on_tokens = sled["drafting_busy_share"] * (1 - sled["drafting_prefill_share"])  # the prefill taken off
+    assert float(found[6]) == pytest.approx(on_tokens, abs=0.0051)
+    got = sled["per_device_tokens_per_s"] / (on_tokens * 1000 / sled["drafting_ms_per_token"])
     assert float(found[4]) == float(found[7]) == pytest.approx(got, abs=0.0051)
     assert float(found[8]) == pytest.approx(sled["per_device_tokens_per_s"], abs=0.051)
     # the verdict, pass by pass (one repeat: one pass)
