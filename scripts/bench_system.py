@@ -1184,25 +1184,21 @@ def main() -> int:
         device_spt = args.device_ms_per_token / 1000
         print(f"[bench] drafting time per token ({drafting_source or 'as given'}): {device_spt * 1000:.1f} ms",
               flush=True)
-    else:
-        # Device-only, and the device's drafting time: one drafter alone, unverified, before the server starts (a
-        # device has its own hardware); the median of three runs, as this machine's speed wanders.
+    if args.device_ms_per_token is None or (args.device_prefill_ms_per_token is None
+                                            and importlib.util.find_spec("llama_cpp") is not None):
+        # One drafter alone, unverified, before the server starts (a device has its own hardware): its time per token,
+        # the median of three runs as this machine's speed wanders (the devices' drafting time and device-only,
+        # unless given; else only to take off each request's first token below), and its prompts' prefill.
         alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=args.device_threads))
-        alone_ms = drafting_ms_alone(alone, ids[0], args.max_tokens)
-        device_spt = float(np.median(alone_ms)) / 1000
-        print(f"[bench] one llama.cpp drafter alone, {args.device_threads} thread(s): "
-              f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; median {device_spt * 1000:.1f}", flush=True)
+        timed = drafting_ms_alone(alone, ids[0], args.max_tokens)
+        alone_spt = float(np.median(timed)) / 1000
+        if args.device_ms_per_token is None:  # else the section's drafting time is the one given
+            alone_ms, device_spt = timed, alone_spt
+            print(f"[bench] one llama.cpp drafter alone, {args.device_threads} thread(s): "
+                  f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; median {device_spt * 1000:.1f}", flush=True)
         if args.device_prefill_ms_per_token is None:
-            per, prefill_samples = measure_prefill(alone, ids, device_spt)
+            per, prefill_samples = measure_prefill(alone, ids, alone_spt)
             args.device_prefill_ms_per_token = per * 1000
-        alone.close()
-    if args.device_prefill_ms_per_token is None and importlib.util.find_spec("llama_cpp") is not None:
-        # The drafting time was given: the prefill is still the real drafter's, measured alone here.
-        alone = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=args.device_threads))
-        # its own time per token, to take off each request's first token
-        alone_spt = float(np.median(drafting_ms_alone(alone, ids[0], args.max_tokens))) / 1000
-        per, prefill_samples = measure_prefill(alone, ids, alone_spt)
-        args.device_prefill_ms_per_token = per * 1000
         alone.close()
     if prefill_samples:
         print(f"[bench] the drafter's prefill, per prompt token past the cached system prompt: "
@@ -1218,7 +1214,8 @@ def main() -> int:
     elif not prefill_samples:
         print(f"[bench] the devices' prompt prefill per token ({prefill_source}): "
               f"{args.device_prefill_ms_per_token:.2f} ms", flush=True)
-    prefill_s = [n * args.device_prefill_ms_per_token / 1000 for n in prefill_tokens(ids)]
+    prefill_counts = prefill_tokens(ids)
+    prefill_s = [n * args.device_prefill_ms_per_token / 1000 for n in prefill_counts]
     spt = device_spt
     server = ServerProcess(*server_flags(top, args.max_wait_ms), *extra)
     address = server.start()
@@ -1331,7 +1328,7 @@ def main() -> int:
            "the server started: "
            f"{', '.join(f'{x:.1f}' for x in alone_ms)} ms/token; the median)" if alone_ms else "")
         + f"; `sled` uses the adaptive draft length (K ≤ {K_MAX}) and drafts ahead (the defaults)\n"
-        + prefill_line(prefill_tokens(ids), args.device_prefill_ms_per_token, prefill_source)
+        + prefill_line(prefill_counts, args.device_prefill_ms_per_token, prefill_source)
         + drafting_line(runs, spt)
         + "- server: prefix cache on (the default); every prompt starts with the chat template's "
         "system prompt, so prompt tokens copied from the prefix cache (sled / server-only): "
