@@ -179,8 +179,10 @@ class ReplayDrafter:
         self.owed = max(0.0, self.owed + took - asked)
         if self.clock is not None:
             if prefill:  # one sleep for both; what it took is shared out as asked
-                self.clock.add_prefill(prefill, took * prefill / asked)
-            self.clock.add(asked - prefill, took * (1 - prefill / asked), drafted)
+                share = prefill / asked
+                self.clock.add_prefill(prefill, took * share)
+                took *= 1 - share
+            self.clock.add(asked - prefill, took, drafted)
 
     def accept(self, context, ahead=()):
         pass
@@ -1239,7 +1241,8 @@ def main() -> int:
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.json).write_text(json.dumps({
                         "draft_match": real_match[0], "by_position": real_match[1], "drafting_ms_per_token": spt * 1000,
-                        "prefill_ms_per_token": args.device_prefill_ms_per_token, "recordings": len(ids), "max_tokens": args.max_tokens, "machine": machine(),
+                        "prefill_ms_per_token": args.device_prefill_ms_per_token, "recordings": len(ids),
+                        "max_tokens": args.max_tokens, "machine": machine(),
                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}, indent=2))
                     print(f"[bench] wrote {args.json}")
                 return 0

@@ -476,6 +476,12 @@ def test_a_replayed_request_spends_its_prompt_s_prefill_once_before_its_first_to
     sleeps.clear()
     plain.propose(full[:2], 1)
     assert sleeps == [pytest.approx(0.005)]
+    # A recorded proposal of no tokens drafts nothing and sleeps nothing, and the clock counts it so (it divided 0 by
+    # 0 while sharing out a prefill that was not there).
+    empty_clock = bench.DraftClock()
+    empty = bench.ReplayDrafter({2: []}, 0.005, full, clock=empty_clock)
+    assert empty.propose(full[:2], 4).token_ids == []
+    assert empty_clock.tokens == 0 and empty_clock.asked == 0 and empty_clock.prefills == 0
 
 
 def test_a_prompt_prefills_the_tokens_past_what_it_shares_with_the_prompt_before_it():
