@@ -98,26 +98,28 @@ class DraftClock:
         self._lock = threading.Lock()
         self.asked = self.took = 0.0
         self.tokens = 0
-        # the prompts' prefill, apart from the tokens: what it asked and took, over how many requests
-        self.prefill_asked = self.prefill_took = 0.0
+        # the prompts' prefill, apart from the tokens: what it asked (and was charged), over how many requests
+        self.prefill_asked = 0.0
         self.prefills = 0
 
     def add(self, asked: float, took: float, tokens: int) -> None:
         with self._lock:
             self.asked, self.took, self.tokens = self.asked + asked, self.took + took, self.tokens + tokens
 
-    def add_prefill(self, asked: float, took: float) -> None:
+    def add_prefill(self, asked: float) -> None:
         with self._lock:
-            self.prefill_asked, self.prefill_took = self.prefill_asked + asked, self.prefill_took + took
+            self.prefill_asked += asked
             self.prefills += 1
 
     def ms_per_token(self) -> float:
+        """The tokens' drafting time a token. Every overrun counts here (the prefill is charged only what it asked),
+        and an overrun carried to a later sleep only pays itself back, so this is never under the rate asked."""
         return self.took / self.tokens * 1000 if self.tokens else float("nan")
 
     def prefill_share(self) -> float:
         """The share of the drafters' time spent prefilling prompts; nan before any drafting."""
-        total = self.took + self.prefill_took
-        return self.prefill_took / total if total else float("nan")
+        total = self.took + self.prefill_asked
+        return self.prefill_asked / total if total else float("nan")
 
 
 class ReplayDrafter:
@@ -178,10 +180,13 @@ class ReplayDrafter:
         took = time.perf_counter() - t0
         self.owed = max(0.0, self.owed + took - asked)
         if self.clock is not None:
-            if prefill:  # one sleep for both; what it took is shared out as asked
-                share = prefill / asked
-                self.clock.add_prefill(prefill, took * share)
-                took *= 1 - share
+            if prefill:
+                # One sleep for both. The prefill is charged what it asked and the tokens the rest, overruns and the
+                # carry that paid them off included: sharing out what the sleep took as asked let a carry from
+                # token-only sleeps shorten the prefill's share, and the tokens' rate came out faster than asked
+                # (9.98 ms for 10 asked, a CI run of 6b87e22).
+                self.clock.add_prefill(prefill)
+                took -= prefill
             self.clock.add(asked - prefill, took, drafted)
 
     def accept(self, context, ahead=()):

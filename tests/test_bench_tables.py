@@ -465,12 +465,31 @@ def test_a_replayed_request_spends_its_prompt_s_prefill_once_before_its_first_to
     for n in (4, 5):
         drafter.propose(full[:n], 1)
     assert sleeps[1:] == [pytest.approx(0.004), pytest.approx(0.004)]  # no second prefill; the overrun carried
-    # the first sleep took 41 ms, shared out as asked: 30.75 to the prefill, 10.25 to its two tokens
+    # the first sleep took 41 ms: the prefill is charged its 30, the two tokens the 11 left (the overrun theirs)
     assert clock.prefills == 1 and clock.prefill_asked == pytest.approx(0.03)
-    assert clock.prefill_took == pytest.approx(0.03075)
-    assert clock.tokens == 4 and clock.asked == pytest.approx(0.02) and clock.took == pytest.approx(0.01025 + 0.01)
-    assert clock.prefill_share() == pytest.approx(0.03075 / (0.03075 + 0.02025))
+    assert clock.tokens == 4 and clock.asked == pytest.approx(0.02) and clock.took == pytest.approx(0.011 + 0.01)
+    assert clock.prefill_share() == pytest.approx(0.03 / (0.03 + 0.021))
     assert math.isnan(bench.DraftClock().prefill_share())
+    # A prefill's sleep that overruns much, its overrun paid back by the token-only sleeps after it: the tokens'
+    # rate stays at least the rate asked. Sharing out the prefill's sleep as asked gave the prefill 0.8 of its 15 ms
+    # overrun and the tokens the whole payback: 8.3 ms a token for 10 asked.
+    now[0], sleeps[:] = 0.0, []
+    overrun = [0.015]
+
+    def slow_once(seconds):
+        sleeps.append(seconds)
+        now[0] += seconds + overrun.pop() if overrun else seconds
+
+    monkeypatch.setattr(bench.time, "sleep", slow_once)
+    paid = bench.DraftClock()
+    drafter = bench.ReplayDrafter({n: full[n:n + 8] for n in range(2, 90)}, 0.010, full, clock=paid, prefill_s=0.04)
+    drafter.propose(full[:2], 1)
+    for n in range(3, 9):
+        drafter.propose(full[:n], 1)
+    # the overrun paid back: the next token's sleep skipped, 5 ms off the one after it
+    assert sleeps[:3] == [pytest.approx(0.05), pytest.approx(0.005), pytest.approx(0.010)]
+    assert paid.tokens == 7 and paid.ms_per_token() >= 10.0 - 1e-9
+    assert paid.ms_per_token() == pytest.approx(10.0)  # everything paid back: exactly the rate asked
     # Without a prefill (the default) the first token is like any other.
     plain = bench.ReplayDrafter({2: [2, 3]}, 0.005, full)
     sleeps.clear()
