@@ -35,12 +35,15 @@ class VerifyError(Exception):
 
 
 class VerifierClient:
-    def __init__(self, address: str, auth_token: str | None = None):
+    def __init__(self, address: str, auth_token: str | None = None, own_connection: bool = False):
+        """own_connection: a TCP connection of this client's own, not shared with other channels of this process to
+        the same address (gRPC shares them by default): each replayed device of a benchmark over its own link."""
         self.address = address
         self.auth_token = auth_token
         self.channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 30_000),
+            *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
         ])
         self.stub = pb_grpc.VerifierStub(self.channel)
 

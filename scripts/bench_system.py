@@ -45,6 +45,11 @@ server pads every forward of a tiny random target to that floor (its `--min-step
 nearly the same at any size, as on a GPU, and the devices' side of a GPU run (drafting ahead, the adaptive K, the
 batching window) can be studied without one. An emulation, not a GPU: the section says so.
 
+Over a network (`--link delay_ms=20,jitter_ms=5,rate_mbit=50`): each device reaches the server through its own
+emulated link (scripts/linkemu.py's relay, a process of its own; one TCP connection a device), delay and jitter each
+way, where it otherwise uses loopback. Server-only then pays the round trip for each token, SLED once a round. The
+section gets a heading of its own and says how much CPU the relay took.
+
 Load: a closed loop. Each device sends requests back to back (device d starts at prompt d and takes the prompts
 in turn) and the figures count what was committed in a window of --seconds that opens --warmup-s after the start,
 or later, once every device has committed its first round (at many devices the first prompts' prefill, all opened
@@ -88,6 +93,7 @@ from edge_client.transport import VerifierClient, fetch_info  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
 from scripts.benchutil import (ServerProcess, cpu_counters, device_tokenizer, gpu_name, machine, publish,  # noqa: E402
                                stolen_share)
+from scripts.linkemu import LinkProcess, LinkSpec  # noqa: E402
 
 
 class DraftClock:
@@ -358,6 +364,7 @@ class Window:
     opened_s: float = 0.0
     stolen: float | None = None  # the share of the host's CPU time the hypervisor took during the window
     devices_cpu: float | None = None  # CPU time this process (the replayed devices, their gRPC) used in it, in cores
+    link_cpu: float | None = None  # and the emulated links' relay process (--link), in cores
     # the server's steps that verified the rounds committed in it, as their verdicts said: (tokens, ms, sessions)
     steps: list[tuple[int, float, int]] = field(default_factory=list)
     # the devices' replies to the verdict before each of those rounds, as generate() timed them: (ms, ms of it
@@ -384,13 +391,15 @@ def kernel_line(info) -> str:
 
 async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens, k, warmup_s, seconds,
                      adaptive=False, draft_ahead=True, answer_at_once=True,
-                     empty_after_miss=EMPTY_AFTER_MISS) -> Window:
+                     empty_after_miss=EMPTY_AFTER_MISS, link=None) -> Window:
     """N devices in a closed loop: each runs requests back to back (device d starts at prompt d and goes through
     them in turn) until the window ends; tokens count when they are committed inside the window of `seconds`.
     The window opens `warmup_s` after the start, or later, once every device has committed its first round: the
     first requests all open together, and at many devices their prompts' prefill can outlast the warm-up; a
     window that opened during it would count a start-up phase, not the steady load. A request in progress at the
-    end stops at its next round."""
+    end stops at its next round.
+    link: a running LinkProcess in front of the server (--link): each device then reaches the server through it over a
+    TCP connection of its own, its own emulated link; the window's statistics are read directly."""
     # Devices draft in threads (asyncio.to_thread): one thread each, as each device is its own hardware (the
     # default pool, cores + 4 threads, would queue the drafting of 16 or 32 devices).
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=n + 4))
@@ -405,11 +414,12 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         got = {"rounds": [], "steps": [], "replies": [], "queued": [], "results": [], "drafting": [], "ends": []}
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
+        own = VerifierClient(link.address, own_connection=True) if link else None
         j = 0
         while time.perf_counter() < end:
             p = (d + j) % len(prompt_ids)
             drafter = Timeline(make_drafter(p), on_commit=lambda: first_commit.__setitem__(d, True))
-            r = await generate(client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
+            r = await generate(own or client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
                                adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
                                controller=controller, should_stop=lambda: time.perf_counter() >= end,
                                answer_at_once=answer_at_once, empty_after_miss=empty_after_miss)
@@ -423,6 +433,8 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             if drafter.commits:  # its final verdict (one cut at the window's end comes after the window)
                 got["ends"].append(drafter.commits[-1])
             j += 1
+        if own:
+            await own.close()
         return got
 
     async def window():
@@ -433,24 +445,27 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         before = (await client.info()).stats
         ticks = cpu_counters()
         cpu = time.process_time()
+        relay = link.cpu_seconds() if link else 0.0
         start = time.perf_counter()
         end = start + seconds
         await asyncio.sleep(seconds)
         used = time.process_time() - cpu
-        return before, (await client.info()).stats, start - t0, stolen_share(ticks, cpu_counters()), used / seconds
+        relayed = (link.cpu_seconds() - relay) / seconds if link else None
+        return (before, (await client.info()).stats, start - t0, stolen_share(ticks, cpu_counters()), used / seconds,
+                relayed)
 
     try:
         done = await asyncio.gather(window(), *[device(d) for d in range(n)])
     finally:
         await client.close()
-    before, after, opened_s, stolen, devices_cpu = done[0]
+    before, after, opened_s, stolen, devices_cpu, link_cpu = done[0]
     devices = done[1:]
 
     def joined(key: str) -> list:
         return [x for dev in devices for x in dev[key]]
 
     return Window(seconds, [dev["rounds"] for dev in devices], joined("results"), before, after, opened_s, stolen,
-                  devices_cpu, steps=joined("steps"), replies=joined("replies"),
+                  devices_cpu, link_cpu, steps=joined("steps"), replies=joined("replies"),
                   drafting=[(dev["drafting"], dev["ends"]) for dev in devices], start=t0 + opened_s,
                   queued=joined("queued"))
 
@@ -484,6 +499,7 @@ def summarize(mode, n, w: Window):
         "window_opened_s": w.opened_s,
         "host_cpu_stolen_share": w.stolen,
         "devices_cpu_cores": w.devices_cpu,
+        "link_cpu_cores": w.link_cpu,
         # None: no request started inside the window (a slow server-only run), so no prompt to count.
         "prompt_tokens_from_prefix_cache": hits / (hits + prefilled) if hits + prefilled else None,
         "server_step_sizes": step_sizes(w.steps),
@@ -995,6 +1011,21 @@ def devices_cpu_line(counts: list[int], by: dict) -> str:
             f"host's {os.cpu_count()}: " + "; ".join(parts) + "\n")
 
 
+def link_line(spec, counts: list[int], by: dict) -> str:
+    """The --link line of the section ('' on loopback): the link, and the CPU its relay took from this host."""
+    if spec is None:
+        return ""
+    cpu = [f"{n} devices sled {by[('sled', n)]['link_cpu_cores']:.2f}, server-only "
+           f"{by[('server-only', n)]['link_cpu_cores']:.2f}" for n in counts
+           if by[("sled", n)].get("link_cpu_cores") is not None and by[("server-only", n)].get("link_cpu_cores") is not None]
+    return (f"- network: each device reached the server over its own emulated link, {spec.describe()} (`--link`: "
+            "scripts/linkemu.py, a user-space TCP relay in a process of its own, one TCP connection a device), so a "
+            f"round trip takes about {2 * spec.delay_ms:g} ms more than on loopback; device-only has no link (the "
+            "drafter alone); the bounds and step-cost estimates below leave the link out"
+            + (f"; CPU the relay took on this host during the reported runs, in cores of the host's {os.cpu_count()}: "
+               + "; ".join(cpu) if cpu else "") + "\n")
+
+
 def mode_cells(counts: list[int], by: dict, cell) -> list[str]:
     """Per count, '<n> devices ' and the cells `cell(mode, row)` gives for its sled and server-only rows, the
     None ones left out; counts without any cell are left out."""
@@ -1110,6 +1141,11 @@ def main() -> int:
                          "step profile on this CPU; default 0: off)")
     ap.add_argument("--min-step-ms-per-token", type=float, default=0.0, metavar="MS",
                     help="and this much more per token in the step (default 0)")
+    ap.add_argument("--link", metavar="SPEC",
+                    help="each device reaches the server over its own emulated network link, e.g. "
+                         "delay_ms=20,jitter_ms=5,rate_mbit=50 (delay and jitter each way; scripts/linkemu.py, a relay "
+                         "process of its own, one TCP connection a device); default: loopback, no link. The section "
+                         "gets a heading of its own")
     ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG=VALUE",
                     help="extra sled-server flag, e.g. --server-arg=--dtype=bfloat16 (repeatable)")
     ap.add_argument("--repeats", type=int, default=5,
@@ -1175,6 +1211,16 @@ def main() -> int:
                  "JSON file given to --draft-match carries both)")
     if not (0 <= args.min_step_ms < 60_000 and 0 <= args.min_step_ms_per_token < 60_000):
         ap.error("--min-step-ms and --min-step-ms-per-token must be in [0, 60000)")
+    link_spec = None
+    if args.link is not None:
+        try:
+            link_spec = LinkSpec.parse(args.link)
+        except ValueError as err:
+            ap.error(f"--link: {err}")
+        if args.match_only:
+            ap.error("--match-only records along loopback: no --link")
+        if not args.label:  # its own section, beside the loopback one
+            args.label = f"devices over an emulated link of {link_spec.describe()}"
     extra = [a for arg in args.server_arg for a in arg.split("=", 1)]
     floor = args.min_step_ms > 0 or args.min_step_ms_per_token > 0
     if floor:
@@ -1226,6 +1272,7 @@ def main() -> int:
     spt = device_spt
     server = ServerProcess(*server_flags(top, args.max_wait_ms), *extra)
     address = server.start()
+    link = None
     try:
         fulls, confidences = None, None
         if args.draft_match is not None:
@@ -1262,10 +1309,15 @@ def main() -> int:
         if args.warmup_pass:
             order = [(-1, cfg) for cfg in plan] + order
         runs: dict[tuple[int, str], list[dict]] = {cfg: [] for cfg in plan}
+        if link_spec:
+            host, _, port = address.rpartition(":")
+            link = LinkProcess(link_spec, host, int(port))
+            print(f"[bench] devices reach the server over emulated links ({link_spec.describe()}) through "
+                  f"{link.start()}", flush=True)
         for rep, (n, mode) in tqdm(order, desc="system", unit="run"):
             if mode == "server-only":
                 w = asyncio.run(run_window(address, tokenizer, lambda p: create_drafter("none"), ids, n,
-                                           args.max_tokens, 0, args.warmup_s, args.seconds))
+                                           args.max_tokens, 0, args.warmup_s, args.seconds, link=link))
                 row = summarize(mode, n, w)
             else:
                 adaptive = mode in VARIANTS
@@ -1277,7 +1329,7 @@ def main() -> int:
                                             confidences[p] if confidences else None, clock, prefill_s[p]), ids, n,
                     args.max_tokens, k, args.warmup_s, args.seconds, adaptive=adaptive,
                     draft_ahead=mode != "no-ahead", answer_at_once=mode != "finish-first",
-                    empty_after_miss=None if mode == "afresh-after-miss" else EMPTY_AFTER_MISS))
+                    empty_after_miss=None if mode == "afresh-after-miss" else EMPTY_AFTER_MISS, link=link))
                 # Fixed-K rows are their own modes, so that `mode == "sled"` picks exactly one row per count.
                 row = summarize(VARIANTS.get(mode, f"sled-k{mode}"), n, w)
                 row["k"] = mode
@@ -1301,6 +1353,8 @@ def main() -> int:
         # moves SLED's figures at many devices: a run where it came out low is visible as such.
         kernels = asyncio.run(fetch_info(address))
     finally:
+        if link:
+            link.stop()
         server.stop()
 
     t = report_tables(counts, rows, adaptive_rows, waiting_rows, args.slo_ms, costs)
@@ -1359,7 +1413,7 @@ def main() -> int:
         + f"- every configuration ran {args.repeats} times, the order reversed on every other pass; each row is the run "
         "with the median system tok/s, and 'per repeat' gives SLED / server-only of each pass (the adaptive verdicts "
         "below likewise give adaptive / the best fixed K of each pass)\n"
-        + stolen + t["devices_cpu"] + reply_line(counts, by, args.max_wait_ms) + queued_line(counts, by) + "\n"
+        + stolen + t["devices_cpu"] + link_line(link_spec, counts, by) + reply_line(counts, by, args.max_wait_ms) + queued_line(counts, by) + "\n"
         + "\n".join(lines) + "\n\n" + bound + t["drafting"] + server_side + t["alone"] + "\n"
         "### Step time under load\n\n" + overhead
         + "- the decode step at batch 1 against the memory-bandwidth limit is measured alone, without client "

@@ -1,14 +1,23 @@
 """A user-space network link: a TCP relay that adds one-way delay, jitter and a bandwidth cap each way.
 
 Used by `make simulate --link ...` so each device reaches the server over its own emulated link, on
-machines whose kernel lacks `tc netem` (and beside it when present). Bytes keep their order: jitter
-moves release times but never reorders a stream, as a real link under TCP would.
+machines whose kernel lacks `tc netem` (and beside it when present), and by `scripts/bench_system.py
+--link ...`, which runs it as a process of its own (`LinkProcess`). Every TCP connection through the
+relay is its own link. Bytes keep their order: jitter moves release times but never reorders a stream,
+as a real link under TCP would.
+
+    python scripts/linkemu.py --link delay_ms=20,jitter_ms=5,rate_mbit=50 --to 127.0.0.1:50051
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -27,11 +36,24 @@ class LinkSpec:
             key, _, value = part.partition("=")
             if key not in ("delay_ms", "jitter_ms", "rate_mbit"):
                 raise ValueError(f"unknown link setting {key!r}: use delay_ms, jitter_ms, rate_mbit")
-            values[key] = float(value)
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(f"link setting {key} must be a number, got {value!r}") from None
         spec = cls(**values)
         if spec.delay_ms < 0 or spec.jitter_ms < 0 or (spec.rate_mbit is not None and spec.rate_mbit <= 0):
             raise ValueError(f"link settings must be positive: {text}")
         return spec
+
+    def text(self) -> str:
+        """The form parse() reads."""
+        return ",".join(f"{k}={v:g}" for k, v in (("delay_ms", self.delay_ms), ("jitter_ms", self.jitter_ms),
+                                                   ("rate_mbit", self.rate_mbit)) if v is not None)
+
+    def describe(self) -> str:
+        """'20 ms ± 5 ms each way, 50 Mbit/s'"""
+        words = f"{self.delay_ms:g} ms" + (f" ± {self.jitter_ms:g} ms" if self.jitter_ms else "") + " each way"
+        return words + (f", {self.rate_mbit:g} Mbit/s" if self.rate_mbit else ", no bandwidth cap")
 
 
 class _Direction:
@@ -61,6 +83,7 @@ class LinkEmulator:
         self.loop = asyncio.new_event_loop()
         self.port: int | None = None
         self.bytes = 0
+        self.connections = 0  # accepted so far, each its own link
         ready = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self.thread.start()
@@ -95,6 +118,7 @@ class LinkEmulator:
         await task
 
     async def _client(self, reader, writer) -> None:
+        self.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -115,3 +139,97 @@ class LinkEmulator:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.loop.close()
+
+
+class LinkProcess:
+    """The relay in a process of its own (`with LinkProcess(spec, host, port) as address:`), so that it shares no
+    interpreter lock with the clients it carries; `cpu_seconds()` is the CPU time it has taken so far."""
+
+    def __init__(self, spec: LinkSpec, target_host: str, target_port: int, seed: int = 0, timeout: float = 30.0):
+        self.spec, self.target, self.seed, self.timeout = spec, (target_host, target_port), seed, timeout
+        self.proc: subprocess.Popen | None = None
+        self.address = ""  # where it listens, once started
+        self.relayed = ""
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> str:
+        """Starts the relay and returns the address it listens on."""
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--link", self.spec.text(), "--to", f"{self.target[0]}:{self.target[1]}",
+             "--seed", str(self.seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(self.timeout)
+        if not line or not line[0].startswith("listening on "):
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=10)
+            raise RuntimeError(f"the link relay did not start: {(err or '').strip()[-2000:]}")
+        self.address = line[0].split()[-1]
+        return self.address
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU time of the relay process so far (Linux /proc; 0.0 where it cannot be read)."""
+        try:
+            fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError, AttributeError):
+            return 0.0
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=10)
+            self.relayed = out.strip()
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Relay TCP connections to HOST:PORT through an emulated link (one-way delay and jitter each way, "
+                    "a bandwidth cap), every connection its own link, until stopped (SIGTERM or Ctrl-C). Prints "
+                    "'listening on HOST:PORT' once ready, and the bytes relayed on exit.")
+    ap.add_argument("--link", required=True, metavar="SPEC",
+                    help="delay_ms=D,jitter_ms=J,rate_mbit=R (each optional; delay and jitter apply each way)")
+    ap.add_argument("--to", required=True, metavar="HOST:PORT", help="where connections are relayed")
+    ap.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                    help="where to listen (default %(default)s: a free loopback port)")
+    ap.add_argument("--seed", type=int, default=0, help="the jitter's random seed (default %(default)s)")
+    args = ap.parse_args(argv)
+    try:
+        spec = LinkSpec.parse(args.link)
+    except ValueError as err:
+        ap.error(f"--link: {err}")
+    addresses = []
+    for flag, value in (("--to", args.to), ("--listen", args.listen)):
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            ap.error(f"{flag} must be HOST:PORT, got {value!r}")
+        addresses.append((host, int(port)))
+    (to_host, to_port), (listen_host, listen_port) = addresses
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    link = LinkEmulator(spec, to_host, to_port, listen_host, listen_port, seed=args.seed)
+    if link.port is None:
+        print(f"could not listen on {args.listen}", file=sys.stderr)
+        return 1
+    print(f"listening on {listen_host}:{link.port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    link.close()
+    print(f"relayed {link.bytes} bytes", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -565,3 +565,30 @@ def test_the_drafting_line_takes_the_prompts_prefill_off_the_time_busy_on_tokens
     assert line.endswith(": 4 devices busy 75% (15% of the window prefilling prompts), idle 20% around requests' ends "
                          "and 5% inside them, 0.62 committed per token drafted (100.0 × 0.60 × 0.62 = 37.5 tok/s a "
                          "device)\n")
+
+
+def test_the_link_line_names_the_link_and_its_relay_s_cpu():
+    from scripts.bench_system import link_line
+    from scripts.linkemu import LinkSpec
+
+    by = {("sled", 4): {"link_cpu_cores": 0.031}, ("server-only", 4): {"link_cpu_cores": 0.052},
+          ("sled", 32): {"link_cpu_cores": None}, ("server-only", 32): {"link_cpu_cores": 0.2}}
+    line = link_line(LinkSpec(delay_ms=20, jitter_ms=5, rate_mbit=50), [4, 32], by)
+    assert line.startswith("- network: each device reached the server over its own emulated link, 20 ms ± 5 ms each "
+                           "way, 50 Mbit/s (`--link`")
+    assert "a round trip takes about 40 ms more than on loopback" in line
+    assert line.endswith(": 4 devices sled 0.03, server-only 0.05\n")  # 32 devices: a run without the figure
+    assert link_line(None, [4], by) == ""  # loopback: no line
+
+
+def test_bench_system_refuses_a_bad_link_before_starting_anything():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_system.py"
+    for argv, message in ((["--link", "latency=3"], "--link: unknown link setting 'latency'"),
+                          (["--link", "delay_ms=-1"], "--link: link settings must be positive"),
+                          (["--link", "delay_ms=5", "--match-only"], "--match-only records along loopback")):
+        done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]

@@ -1,6 +1,7 @@
 """The simulation's emulated link: delay each way, order kept under jitter, bandwidth capped."""
 
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from linkemu import LinkEmulator, LinkSpec  # noqa: E402
+from linkemu import LinkEmulator, LinkProcess, LinkSpec  # noqa: E402
 
 
 @pytest.fixture
@@ -76,3 +77,30 @@ def test_bad_specs_are_refused():
     with pytest.raises(ValueError, match="positive"):
         LinkSpec.parse("rate_mbit=0")
     assert LinkSpec.parse("delay_ms=20,jitter_ms=5,rate_mbit=50") == LinkSpec(20, 5, 50)
+
+
+def test_the_relay_process_carries_each_connection_over_its_own_link(echo_port):
+    """bench_system.py --link runs the relay as a process of its own: each connection gets the delay each way."""
+    spec = LinkSpec.parse("delay_ms=25,jitter_ms=5")
+    assert LinkSpec.parse(spec.text()) == spec and spec.describe() == "25 ms ± 5 ms each way, no bandwidth cap"
+    with LinkProcess(spec, "127.0.0.1", echo_port) as address:
+        port = int(address.rsplit(":", 1)[1])
+        (got_a, rtt_a), (got_b, rtt_b) = roundtrip(port, b"a"), roundtrip(port, b"bb")
+    assert (got_a, got_b) == (b"a", b"bb") and min(rtt_a, rtt_b) >= 0.04, (rtt_a, rtt_b)  # 20-30 ms each way
+
+
+def test_the_relay_process_reports_its_bytes_and_cpu(echo_port):
+    relay = LinkProcess(LinkSpec(delay_ms=1), "127.0.0.1", echo_port)
+    relay.start()
+    roundtrip(int(relay.address.rsplit(":", 1)[1]), b"z" * 1000)
+    assert relay.cpu_seconds() >= 0.0
+    relay.stop()
+    assert relay.relayed == "relayed 2000 bytes" and relay.proc.returncode == 0
+
+
+def test_the_relay_refuses_bad_settings_with_a_clear_error():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "linkemu.py"
+    for argv, message in ((["--link", "delay_ms=fast", "--to", "127.0.0.1:1"], "delay_ms must be a number"),
+                          (["--link", "delay_ms=5", "--to", "nowhere"], "--to must be HOST:PORT")):
+        done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -220,6 +220,34 @@ def test_the_window_opens_only_once_every_device_has_committed(tiny_server, toke
     assert min(times) >= t0 + w.opened_s
 
 
+def test_devices_over_a_link_pay_its_round_trip_each_round(tiny_server, tokenizer):
+    """bench_system.py --link: every device reaches the server through the relay process, so each of its rounds
+    takes at least the link's round trip (25 ms each way here), where on loopback they take a few ms; the window
+    records the CPU the relay took."""
+    from edge_client.drafters import create_drafter
+    from scripts.bench_system import prompts, run_window
+    from scripts.linkemu import LinkProcess, LinkSpec
+
+    ids = prompts(tokenizer, 2)
+    host, _, port = tiny_server.address.rpartition(":")
+
+    def rounds(w):
+        return [seconds for dev in w.rounds for _, _, seconds in dev]
+
+    loopback = run(run_window(tiny_server.address, tokenizer, lambda p: create_drafter("none"), ids, 2, 8, 0, 0.2, 0.6))
+    relay = LinkProcess(LinkSpec(delay_ms=25), host, int(port))
+    relay.start()
+    try:
+        linked = run(run_window(tiny_server.address, tokenizer, lambda p: create_drafter("none"), ids, 2, 8, 0, 0.2,
+                                1.0, link=relay))
+    finally:
+        relay.stop()
+    assert all(dev for dev in linked.rounds)  # both devices committed through their links
+    assert min(rounds(linked)) >= 0.05 > float(sorted(rounds(loopback))[len(rounds(loopback)) // 2])
+    assert linked.link_cpu is not None and linked.link_cpu >= 0 and loopback.link_cpu is None
+    assert relay.relayed.startswith("relayed ") and int(relay.relayed.split()[1]) > 0
+
+
 def test_step_costs_alone_time_each_size_as_one_step(tiny_server, tokenizer):
     """The steps' cost alone, timed through a real server: sizes past one session's draft (9 tokens) are several
     sessions' drafts that must share one step, and each size is keyed by the tokens its step really had (the

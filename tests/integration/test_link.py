@@ -1,0 +1,43 @@
+"""Devices over emulated links: a client of each device's own reaches the server over its own TCP connection, so
+`bench_system.py --link` gives every device its own link (gRPC shares one connection between channels of a process to
+the same address unless told not to)."""
+
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from linkemu import LinkEmulator, LinkSpec  # noqa: E402
+
+
+def test_own_connection_clients_each_get_a_link_and_pay_its_delay(make_server):
+    from edge_client.transport import VerifierClient
+
+    server = make_server()
+    host, _, port = server.address.rpartition(":")
+
+    async def infos(link_port: int, own: bool) -> float:
+        clients = [VerifierClient(f"127.0.0.1:{link_port}", own_connection=own) for _ in range(3)]
+        try:
+            for c in clients:
+                await c.info()
+            t0 = time.perf_counter()
+            await clients[0].info()  # connected: one round trip through the link
+            return time.perf_counter() - t0
+        finally:
+            for c in clients:
+                await c.close()
+
+    own_link = LinkEmulator(LinkSpec(delay_ms=15), host, int(port))
+    shared_link = LinkEmulator(LinkSpec(delay_ms=15), host, int(port))
+    try:
+        rtt = run(infos(own_link.port, own=True))
+        run(infos(shared_link.port, own=False))
+    finally:
+        own_link.close()
+        shared_link.close()
+    assert own_link.connections == 3, own_link.connections
+    assert shared_link.connections == 1, shared_link.connections  # why own_connection is needed
+    assert rtt >= 0.03, rtt  # 15 ms each way
