@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -159,17 +160,21 @@ class LinkProcess:
 
     def start(self) -> str:
         """Starts the relay and returns the address it listens on."""
+        # Its errors go to a file, not a pipe nobody reads while it runs: a full pipe would stall the relay.
+        self.errors = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--link", self.spec.text(), "--to", f"{self.target[0]}:{self.target[1]}",
-             "--seed", str(self.seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             "--seed", str(self.seed), "--parent", str(os.getpid())], stdout=subprocess.PIPE, stderr=self.errors,
+            text=True)
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(self.timeout)
         if not line or not line[0].startswith("listening on "):
             self.proc.kill()
-            _, err = self.proc.communicate(timeout=10)
-            raise RuntimeError(f"the link relay did not start: {(err or '').strip()[-2000:]}")
+            self.proc.communicate(timeout=10)
+            self.errors.seek(0)
+            raise RuntimeError(f"the link relay did not start: {self.errors.read().strip()[-2000:]}")
         self.address = line[0].split()[-1]
         return self.address
 
@@ -191,6 +196,7 @@ class LinkProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.communicate()
+        self.errors.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                     help="where to listen (default %(default)s: a free loopback port)")
     ap.add_argument("--seed", type=int, default=0, help="the jitter's random seed (default %(default)s)")
+    ap.add_argument("--parent", type=int, metavar="PID",
+                    help="the PID of the process that starts it: it stops too once that one is gone (LinkProcess "
+                         "passes its own, so a relay left behind by a killed benchmark stops within a second)")
     args = ap.parse_args(argv)
     try:
         spec = LinkSpec.parse(args.link)
@@ -225,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"listening on {listen_host}:{link.port}", flush=True)
     while not stop.wait(0.5):
-        pass
+        if args.parent is not None and os.getppid() != args.parent:
+            break  # the process that started it is gone
     link.close()
     print(f"relayed {link.bytes} bytes", flush=True)
     return 0

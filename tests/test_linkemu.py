@@ -104,3 +104,30 @@ def test_the_relay_refuses_bad_settings_with_a_clear_error():
                           (["--link", "delay_ms=5", "--to", "nowhere"], "--to must be HOST:PORT")):
         done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_relay_whose_benchmark_was_killed_stops_by_itself(echo_port):
+    """SIGKILL leaves no `finally` to stop the relay: it notices its parent is gone and ends."""
+    import os
+    import signal
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(scripts)!r}); "
+         "from linkemu import LinkProcess, LinkSpec; "
+         f"r = LinkProcess(LinkSpec(delay_ms=1), '127.0.0.1', {echo_port}); r.start(); "
+         "print(r.proc.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    relay = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and Path(f"/proc/{relay}").exists() and "Z" not in _state(relay):
+        time.sleep(0.1)
+    assert not Path(f"/proc/{relay}").exists() or "Z" in _state(relay), "the relay outlived its benchmark"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
