@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -174,14 +175,16 @@ class LinkProcess:
             self.proc.kill()
             self.proc.communicate(timeout=10)
             self.errors.seek(0)
-            raise RuntimeError(f"the link relay did not start: {self.errors.read().strip()[-2000:]}")
+            err = self.errors.read().strip()[-2000:]
+            self.errors.close()
+            raise RuntimeError(f"the link relay did not start: {err}")
         self.address = line[0].split()[-1]
         return self.address
 
     def cpu_seconds(self) -> float:
         """User and system CPU time of the relay process so far (Linux /proc; 0.0 where it cannot be read)."""
         try:
-            fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError, ValueError, AttributeError):
             return 0.0
