@@ -14,6 +14,8 @@ from .drafters.base import Proposal
 
 
 CORE_WRITE_FAILED = "Internal error from Core"
+# How long a closed session's stream end (the server's Closed, then its status) is waited for in the background.
+DRAIN_TIMEOUT_S = 10.0
 
 
 class VerifyError(Exception):
@@ -46,6 +48,8 @@ class VerifierClient:
             *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
         ])
         self.stub = pb_grpc.VerifierStub(self.channel)
+        # Closed sessions whose stream end is still being read (RemoteSession.close); close() waits for them.
+        self._draining: set[asyncio.Task] = set()
 
     async def info(self, timeout: float = 10.0) -> pb.ServerInfo:
         try:
@@ -55,11 +59,14 @@ class VerifierClient:
 
     async def open(self, open_msg: pb.ClientMessage, timeout: float = 60.0,
                    wait_for_ready: bool = True) -> "RemoteSession":
-        session = RemoteSession(self.stub.Session(wait_for_ready=wait_for_ready))
+        session = RemoteSession(self.stub.Session(wait_for_ready=wait_for_ready), self._draining)
         await session.open(open_msg, timeout)
         return session
 
-    async def close(self) -> None:
+    async def close(self, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
+        """Close the channel once the sessions closed on it have seen their stream end (at most drain_timeout s)."""
+        if self._draining:
+            await asyncio.wait(set(self._draining), timeout=drain_timeout)
         await self.channel.close()
 
 
@@ -73,9 +80,10 @@ async def fetch_info(address: str, timeout: float = 10.0) -> pb.ServerInfo:
 
 
 class RemoteSession:
-    def __init__(self, call):
+    def __init__(self, call, draining: set[asyncio.Task] | None = None):
         self.call = call
         self.opened: codec.Opened | None = None
+        self._draining = draining if draining is not None else set()
 
     async def _ended(self) -> VerifyError:
         code = await self.call.code()
@@ -106,11 +114,34 @@ class RemoteSession:
         return codec.verdict_from(await self._exchange(codec.draft_message(self.opened.session_id, round_, proposal)))
 
     async def close(self) -> None:
+        """End the session without waiting on the server: Close and the end of writing go out now, and the server's
+        Closed and the stream's end are read in the background (`_drain`). Nothing the device needs comes with them,
+        so a generation ends when its last verdict comes, not one round trip later."""
         try:
-            await self._exchange(codec.close_message())
+            await self.call.write(codec.close_message())
             await self.call.done_writing()
-        except VerifyError:
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the stream had already ended: nothing left to read
+        task = asyncio.ensure_future(self._drain(DRAIN_TIMEOUT_S))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
+    async def _drain(self, timeout: float) -> None:
+        """Read the stream to its end (the server's Closed); a server that does not end it in time gets it cancelled."""
+
+        async def to_end() -> None:
+            while await self.call.read() is not grpc.aio.EOF:
+                pass
+
+        try:
+            await asyncio.wait_for(to_end(), timeout)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
+        except asyncio.TimeoutError:
+            self.call.cancel()
+        except asyncio.CancelledError:
+            self.call.cancel()
+            raise
 
     def cancel(self) -> None:
         self.call.cancel()

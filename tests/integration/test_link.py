@@ -41,3 +41,43 @@ def test_own_connection_clients_each_get_a_link_and_pay_its_delay(make_server):
     assert own_link.connections == 3, own_link.connections
     assert shared_link.connections == 1, shared_link.connections  # why own_connection is needed
     assert rtt >= 0.03, rtt  # 15 ms each way
+
+
+def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_it(make_server, tokenizer):
+    import grpc
+
+    from edge_client import codec
+    from edge_client.sampling import SamplingParams
+    from edge_client.transport import VerifierClient
+
+    server = make_server()
+    host, _, port = server.address.rpartition(":")
+    link = LinkEmulator(LinkSpec(delay_ms=100), host, int(port))  # a round trip of 200 ms
+
+    async def session_closed() -> tuple[float, float, object, int]:
+        client = VerifierClient(f"127.0.0.1:{link.port}")
+        try:
+            t0 = time.perf_counter()
+            session = await client.open(codec.open_message(tokenizer.encode("The capital of France is"),
+                                                           SamplingParams(), 4, tokenizer.fingerprint))
+            opened = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            await session.close()
+            closing = time.perf_counter() - t0
+            left = len(client._draining)
+        finally:
+            await client.close()  # waits for the stream's end
+        return opened, closing, await session.call.code(), left
+
+    try:
+        opened, closing, code, left = run(session_closed())
+    finally:
+        link.close()
+    assert opened >= 0.2, opened  # the Open paid the round trip
+    assert closing < 0.1, closing  # the Close did not (waiting for the server's Closed took >= 0.2 s)
+    assert left == 1  # its stream end was still being read when close() returned ...
+    assert code == grpc.StatusCode.OK  # ... and the server got the Close and ended the stream (not cancelled)
+    deadline = time.monotonic() + 5
+    while server.engine.stats()["active_sessions"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.stats()["active_sessions"] == 0
