@@ -86,6 +86,7 @@ class LinkEmulator:
         self.port: int | None = None
         self.bytes = 0
         self.connections = 0  # accepted so far, each its own link
+        self._writers: set[asyncio.StreamWriter] = set()  # both ends of every open connection, cut on close()
         ready = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self.thread.start()
@@ -126,12 +127,21 @@ class LinkEmulator:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pipe(reader, up_writer, _Direction(self.spec, self.rng)),
-                             self._pipe(up_reader, writer, _Direction(self.spec, self.rng)),
-                             return_exceptions=True)
+        self._writers |= {writer, up_writer}
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer, _Direction(self.spec, self.rng)),
+                                 self._pipe(up_reader, writer, _Direction(self.spec, self.rng)),
+                                 return_exceptions=True)
+        finally:
+            self._writers -= {writer, up_writer}
 
     def close(self) -> None:
+        """Stop relaying and cut every connection at both ends, as a link going down does: the server sees its
+        connections end (and ends their streams) instead of keeping them open with what was in flight lost."""
+
         async def cancel_all():
+            for writer in list(self._writers):
+                writer.transport.abort()
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()

@@ -51,6 +51,30 @@ def test_delay_applies_each_way(echo_port):
     assert got == b"ping" and rtt >= 0.08 > direct
 
 
+def test_closing_the_link_cuts_its_connections_at_both_ends():
+    """A link going down with data in flight: the server's side of each connection ends too, so the server ends what
+    ran over it (a gRPC stream, its session), instead of holding a connection that will never carry anything."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    link = LinkEmulator(LinkSpec(delay_ms=300), "127.0.0.1", srv.getsockname()[1])
+    client = socket.create_connection(("127.0.0.1", link.port))
+    server_side, _ = srv.accept()
+    try:
+        client.sendall(b"still on the wire when the link goes down")
+        link.close()
+        server_side.settimeout(5)
+        try:
+            got = server_side.recv(65536)
+        except ConnectionResetError:
+            got = b""
+        assert got == b""  # the connection ended (without the cut: a 5 s timeout, the relay never writes again)
+    finally:
+        client.close()
+        server_side.close()
+        srv.close()
+
+
 def test_jitter_never_reorders(echo_port):
     link = LinkEmulator(LinkSpec(delay_ms=5, jitter_ms=5), "127.0.0.1", echo_port)
     with socket.create_connection(("127.0.0.1", link.port)) as c:
