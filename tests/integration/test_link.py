@@ -2,6 +2,7 @@
 `bench_system.py --link` gives every device its own link (gRPC shares one connection between channels of a process to
 the same address unless told not to)."""
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -81,3 +82,47 @@ def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_
     while server.engine.stats()["active_sessions"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.engine.stats()["active_sessions"] == 0
+
+
+def test_a_closed_session_whose_server_does_not_answer_in_time_is_cancelled_and_close_is_bounded(
+        make_server, tokenizer, monkeypatch):
+    import grpc
+
+    from edge_client import codec, transport
+    from edge_client.sampling import SamplingParams
+
+    monkeypatch.setattr(transport, "DRAIN_TIMEOUT_S", 0.2)
+    server = make_server()
+    host, _, port = server.address.rpartition(":")
+    link = LinkEmulator(LinkSpec(delay_ms=500), host, int(port))  # Closed comes 1 s after the Close goes out
+
+    async def closed_late() -> tuple[object, float, object]:
+        slow, quick = transport.VerifierClient(f"127.0.0.1:{link.port}"), None
+        try:
+            msg = codec.open_message(tokenizer.encode("Water boils at"), SamplingParams(), 4, tokenizer.fingerprint)
+            session = await slow.open(msg)
+            await session.close()
+            await asyncio.sleep(0.5)  # past the drain's 0.2 s, before the Closed could come
+            drained = await session.call.code()
+            # A client's close waits for its sessions' stream ends no longer than it is told to.
+            quick = transport.VerifierClient(f"127.0.0.1:{link.port}")
+            other = await quick.open(msg)
+            await other.close()
+            t0 = time.perf_counter()
+            await quick.close(drain_timeout=0.05)
+            return drained, time.perf_counter() - t0, other
+        finally:
+            await slow.close()
+            if quick is not None:
+                await quick.close()
+
+    try:
+        drained, closing, _ = run(closed_late())
+    finally:
+        link.close()
+    assert drained == grpc.StatusCode.CANCELLED  # the drain gave up and cancelled the call
+    assert closing < 0.15, closing  # the Closed was 1 s away
+    deadline = time.monotonic() + 5
+    while server.engine.stats()["active_sessions"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.stats()["active_sessions"] == 0  # the server freed both sessions
