@@ -80,10 +80,11 @@ async def fetch_info(address: str, timeout: float = 10.0) -> pb.ServerInfo:
 
 
 class RemoteSession:
-    def __init__(self, call, draining: set[asyncio.Task] | None = None):
+    def __init__(self, call, draining: set[asyncio.Task]):
+        """draining: the client's set of closed sessions' stream-end reads (VerifierClient.close waits for them)."""
         self.call = call
         self.opened: codec.Opened | None = None
-        self._draining = draining if draining is not None else set()
+        self._draining = draining
 
     async def _ended(self) -> VerifyError:
         code = await self.call.code()

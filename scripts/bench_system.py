@@ -415,26 +415,28 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = AdaptiveDraftLength.for_device(K_MAX, draft_ahead) if adaptive else None
         own = VerifierClient(link.address, own_connection=True) if link else None
-        j = 0
-        while time.perf_counter() < end:
-            p = (d + j) % len(prompt_ids)
-            drafter = Timeline(make_drafter(p), on_commit=lambda: first_commit.__setitem__(d, True))
-            r = await generate(own or client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens, draft_tokens=k,
-                               adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
-                               controller=controller, should_stop=lambda: time.perf_counter() >= end,
-                               answer_at_once=answer_at_once, empty_after_miss=empty_after_miss)
-            inside = [start <= t < end for t in drafter.commits]
-            for key, per_round in (("rounds", zip(drafter.commits, r.round_tokens, r.round_times)),
-                                   ("steps", r.round_steps), ("replies", r.round_replies),
-                                   ("queued", r.round_queue_ms)):
-                got[key] += [x for x, keep in zip(per_round, inside) if keep]
-            got["results"].append(r)
-            got["drafting"] += drafter.drafting
-            if drafter.commits:  # its final verdict (one cut at the window's end comes after the window)
-                got["ends"].append(drafter.commits[-1])
-            j += 1
-        if own:
-            await own.close()
+        try:
+            j = 0
+            while time.perf_counter() < end:
+                p = (d + j) % len(prompt_ids)
+                drafter = Timeline(make_drafter(p), on_commit=lambda: first_commit.__setitem__(d, True))
+                r = await generate(own or client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens,
+                                   draft_tokens=k, adaptive=adaptive, draft_ahead=draft_ahead, max_draft_tokens=K_MAX,
+                                   controller=controller, should_stop=lambda: time.perf_counter() >= end,
+                                   answer_at_once=answer_at_once, empty_after_miss=empty_after_miss)
+                inside = [start <= t < end for t in drafter.commits]
+                for key, per_round in (("rounds", zip(drafter.commits, r.round_tokens, r.round_times)),
+                                       ("steps", r.round_steps), ("replies", r.round_replies),
+                                       ("queued", r.round_queue_ms)):
+                    got[key] += [x for x, keep in zip(per_round, inside) if keep]
+                got["results"].append(r)
+                got["drafting"] += drafter.drafting
+                if drafter.commits:  # its final verdict (one cut at the window's end comes after the window)
+                    got["ends"].append(drafter.commits[-1])
+                j += 1
+        finally:
+            if own:  # its own connection, also when a request failed
+                await own.close()
         return got
 
     async def window():

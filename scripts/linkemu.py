@@ -200,16 +200,17 @@ class LinkProcess:
             return 0.0
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.terminate()
-        try:
-            out, _ = self.proc.communicate(timeout=10)
-            self.relayed = out.strip()
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
-        self.errors.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                out, _ = self.proc.communicate(timeout=10)
+                self.relayed = out.strip()
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+        self.errors.close()  # also where the relay had already ended
 
 
 def main(argv: list[str] | None = None) -> int:
