@@ -21,6 +21,7 @@ class Opened:
     vocab_size: int
     context_limit: int
     target_name: str
+    server_decodes: bool = False  # the server decodes this session itself, a Verdict per token (Open.server_decodes)
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,15 @@ class Verdict:
 
 
 def open_message(context: list[int], sampling: SamplingParams, max_tokens: int, fingerprint: str,
-                 stop_token_ids: list[int] = (), client_id: str = "", auth_token: str = "") -> pb.ClientMessage:
+                 stop_token_ids: list[int] = (), client_id: str = "", auth_token: str = "",
+                 server_decodes: bool = False) -> pb.ClientMessage:
     sp = pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if sampling.seed is not None:
         sp.seed = sampling.seed
     return pb.ClientMessage(open=pb.Open(
         tokenizer_fingerprint=fingerprint, context_token_ids=context, sampling=sp, max_tokens=max_tokens,
-        stop_token_ids=list(stop_token_ids), client_id=client_id, auth_token=auth_token or ""))
+        stop_token_ids=list(stop_token_ids), client_id=client_id, auth_token=auth_token or "",
+        server_decodes=server_decodes))
 
 
 def draft_message(session_id: str, round_: int, proposal: Proposal) -> pb.ClientMessage:
@@ -65,7 +68,7 @@ def opened_from(msg: pb.ServerMessage) -> Opened:
     if msg.WhichOneof("kind") != "opened":
         raise ValueError(f"expected Opened from the server, got {msg.WhichOneof('kind')}")
     o = msg.opened
-    return Opened(o.session_id, o.max_draft_tokens, o.vocab_size, o.context_limit, o.target_name)
+    return Opened(o.session_id, o.max_draft_tokens, o.vocab_size, o.context_limit, o.target_name, o.server_decodes)
 
 
 def verdict_from(msg: pb.ServerMessage) -> Verdict:

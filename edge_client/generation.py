@@ -20,6 +20,11 @@ sent at once waited through an earlier step, Verdict.queue_ms): there a draft se
 and the device finishes its token and drafts the rest of K first, which the wait covers. On a GPU-like server
 (steps nearly flat in their tokens, following each other) answering at once was 0.97x finishing first.
 
+With nothing to draft (draft_tokens 0, or the `none` drafter: the server-only way of serving) the device asks the
+server to decode every token itself (Open.server_decodes) and reads a Verdict per token as the server sends it: no
+round trip comes between tokens, as with any streaming server. A server older than that field answers without
+Opened.server_decodes, and the device then sends an empty draft a token.
+
 The device keeps the whole token history, so nothing is lost when the link drops or the server
 restarts: the loop reconnects with backoff and reopens with the full context. While the server
 stays unreachable the fallback policy decides: `wait` (bounded by a deadline), `local` (the
@@ -39,7 +44,7 @@ import numpy as np
 
 from . import codec
 from .adaptive import AdaptiveDraftLength, RoundSample
-from .drafters.base import Drafter, Proposal
+from .drafters.base import Drafter, NoDrafter, Proposal
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .transport import RemoteSession, VerifierClient, VerifyError
@@ -190,6 +195,8 @@ class _Generation:
         self.next_attempt = 0.0
         self.backoff = resilience.backoff_initial_s
         self.adaptive = adaptive if draft_tokens > 0 else None
+        # Nothing drafted: the server decodes every token and streams it (Open.server_decodes), no round trip a token.
+        self.server_decodes = draft_tokens == 0
         self.draft_ahead = draft_ahead and draft_tokens > 0
         self.answer_at_once = answer_at_once
         self.at_once = answer_at_once  # this round's choice: answer_at_once, unless the server queues the drafts
@@ -239,7 +246,7 @@ class _Generation:
                                       (sampling.seed + 1_000_003 * self.opens) % 2**63)
         msg = codec.open_message(self.context, sampling, self.max_tokens - len(self.result.token_ids),
                                  self.tokenizer.fingerprint, self.request_stops, self.client_id,
-                                 self.client.auth_token or "")
+                                 self.client.auth_token or "", self.server_decodes)
         self.session = await self.client.open(msg, timeout=self.policy.round_timeout_s,
                                               wait_for_ready=self.policy.fallback == "wait")
         if self.opens:
@@ -457,7 +464,11 @@ class _Generation:
         return self.adaptive.stop_rule() if self.adaptive is not None else None
 
     async def _verify(self, round_: int, proposal: Proposal):
-        verdict = await asyncio.wait_for(self.session.verify(round_, proposal), self.policy.round_timeout_s)
+        if self.session.opened.server_decodes:  # the server sends each token unasked
+            asked = self.session.next_verdict()
+        else:
+            asked = self.session.verify(round_, proposal)
+        verdict = await asyncio.wait_for(asked, self.policy.round_timeout_s)
         self.verdict_at = time.perf_counter()
         return verdict
 
@@ -603,6 +614,8 @@ async def generate(
         raise ValueError("max_tokens must be at least 1")
     if draft_tokens < 0:
         raise ValueError("draft_tokens must be >= 0")
+    if getattr(drafter, "name", "") == NoDrafter.name:
+        draft_tokens = 0  # nothing to draft: the server decodes every token
     if not adaptive:
         controller = None
     elif controller is None:

@@ -91,9 +91,11 @@ class RemoteSession:
         details = await self.call.details()
         return VerifyError(code.name if code else "UNKNOWN", details or "the server ended the stream")
 
-    async def _exchange(self, msg: pb.ClientMessage) -> pb.ServerMessage:
+    async def _exchange(self, msg: pb.ClientMessage | None) -> pb.ServerMessage:
+        """Write `msg` (None: nothing) and read the server's next message."""
         try:
-            await self.call.write(msg)
+            if msg is not None:
+                await self.call.write(msg)
             reply = await self.call.read()
         except grpc.aio.AioRpcError as err:
             raise VerifyError.from_rpc(err) from None
@@ -113,6 +115,10 @@ class RemoteSession:
 
     async def verify(self, round_: int, proposal: Proposal) -> codec.Verdict:
         return codec.verdict_from(await self._exchange(codec.draft_message(self.opened.session_id, round_, proposal)))
+
+    async def next_verdict(self) -> codec.Verdict:
+        """The next token's Verdict of a session the server decodes itself (Opened.server_decodes): nothing is written."""
+        return codec.verdict_from(await self._exchange(None))
 
     async def close(self) -> None:
         """End the session without waiting on the server: Close and the end of writing go out now, and the server's

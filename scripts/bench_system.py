@@ -13,7 +13,8 @@
    prompt's prefill before a request's first token), so the server's capacity is measured apart from drafting:
    on one 2-core machine, drafters and server would otherwise share the cores. Any K, fixed or adaptive, replays
    the same drafter.
-   Modes: `sled` (replayed drafts), `server-only` (the same server decodes every token, batched),
+   Modes: `sled` (replayed drafts), `server-only` (the same server decodes every token, batched, and streams it:
+   no round trip between tokens),
    `device-only` (the drafter alone, unverified: each device is its own hardware, so N devices give
    N times one device's measured rate over requests of --max-tokens, each prompt's prefill included).
 3. `sled` rows use the adaptive draft length and drafting ahead (the defaults); fixed K = 2, 4, 8 run beside it,
@@ -47,8 +48,10 @@ batching window) can be studied without one. An emulation, not a GPU: the sectio
 
 Over a network (`--link delay_ms=20,jitter_ms=5,rate_mbit=50`): each device reaches the server through its own
 emulated link (scripts/linkemu.py's relay, a process of its own; one TCP connection a device), delay and jitter each
-way, where it otherwise uses loopback. Server-only then pays the round trip for each token, SLED once a round. The
-section gets a heading of its own and says how much CPU the relay took.
+way, where it otherwise uses loopback. SLED then pays the round trip once a round, server-only once a request (its
+Open): the server decodes and streams every token itself (Open.server_decodes), as any streaming server does. Before
+that field, a server-only device asked each token with an empty draft and paid the round trip for every token, which
+flattered SLED over a link. The section gets a heading of its own and says how much CPU the relay took.
 
 Load: a closed loop. Each device sends requests back to back (device d starts at prompt d and takes the prompts
 in turn) and the figures count what was committed in a window of --seconds that opens --warmup-s after the start,
@@ -1022,8 +1025,9 @@ def link_line(spec, counts: list[int], by: dict) -> str:
            if by[("sled", n)].get("link_cpu_cores") is not None and by[("server-only", n)].get("link_cpu_cores") is not None]
     return (f"- network: each device reached the server over its own emulated link, {spec.describe()} (`--link`: "
             "scripts/linkemu.py, a user-space TCP relay in a process of its own, one TCP connection a device), so a "
-            f"round trip takes about {2 * spec.delay_ms:g} ms more than on loopback; device-only has no link (the "
-            "drafter alone); the bounds and step-cost estimates below leave the link out"
+            f"round trip takes about {2 * spec.delay_ms:g} ms more than on loopback: SLED pays it each round, "
+            "server-only once a request (the server decodes and streams every token: Open.server_decodes); "
+            "device-only has no link (the drafter alone); the bounds and step-cost estimates below leave the link out"
             + (f"; CPU the relay took on this host during the reported runs, in cores of the host's {os.cpu_count()}: "
                + "; ".join(cpu) if cpu else "") + "\n")
 

@@ -92,6 +92,26 @@ def target():
 
 
 @pytest.fixture(scope="session")
+def tiny():
+    """A random-weight Llama of a tiny shape in the devices' vocabulary (random:llama-tiny): quick steps."""
+    import torch
+
+    from verify_server.model_loader import load_target
+
+    return load_target("random:llama-tiny", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def tiny_server(tiny):
+    from verify_server.config import ServerConfig
+
+    server = ServerThread(ServerConfig(host="127.0.0.1", port=0, max_sessions=8, max_seq_len=256, seed=0,
+                                       target="random:llama-tiny"), tiny).load()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     from edge_client.tokenizer import Tokenizer
 

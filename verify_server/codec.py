@@ -35,7 +35,8 @@ def open_from_pb(msg: pb.Open, vocab_size: int) -> OpenRequest:
     if bad:
         raise invalid(f"stop token id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
     return OpenRequest(context_token_ids=ids, sampling=sampling_from_pb(msg.sampling),
-                       max_tokens=msg.max_tokens, stop_token_ids=stops, client_id=msg.client_id[:128])
+                       max_tokens=msg.max_tokens, stop_token_ids=stops, client_id=msg.client_id[:128],
+                       server_decodes=msg.server_decodes)
 
 
 def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top_k: int) -> DraftRequest:
@@ -80,10 +81,15 @@ def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top
 
 
 def opened_to_pb(session: Session, max_draft_tokens: int, vocab_size: int, context_limit: int,
-                 target_name: str) -> pb.ServerMessage:
+                 target_name: str, server_decodes: bool = False) -> pb.ServerMessage:
     return pb.ServerMessage(opened=pb.Opened(session_id=session.id, max_draft_tokens=max_draft_tokens,
                                              vocab_size=vocab_size, context_limit=context_limit,
-                                             target_name=target_name))
+                                             target_name=target_name, server_decodes=server_decodes))
+
+
+def decode_request(round_: int) -> DraftRequest:
+    """The empty draft the server verifies for a session it decodes itself (Open.server_decodes): one token."""
+    return DraftRequest(round_, (), None, None)
 
 
 _REASONS = {STOP: pb.FINISH_REASON_STOP, LENGTH: pb.FINISH_REASON_LENGTH, None: pb.FINISH_REASON_UNSPECIFIED}

@@ -35,6 +35,32 @@ async def _ask(method, *args):
     return await fut
 
 
+class _Reader:
+    """A stream's client messages, one at a time, where the next one can be awaited beside other work
+    (`pending`) and then taken with `next` without losing it."""
+
+    def __init__(self, request_iterator):
+        self._it = request_iterator.__aiter__()
+        self._pending: asyncio.Future | None = None
+
+    def pending(self) -> asyncio.Future:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._it.__anext__())
+        return self._pending
+
+    async def next(self):
+        """The next client message, or None once the client is done writing."""
+        fut, self._pending = self.pending(), None
+        try:
+            return await fut
+        except StopAsyncIteration:
+            return None
+
+    def cancel(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, config):
         self.config = config
@@ -64,8 +90,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         engine = self._engine()
         cfg = self.config
         session = None
+        decodes = False  # the server decodes this session itself (Open.server_decodes)
+        reader = _Reader(request_iterator)
         try:
-            async for msg in request_iterator:
+            while (msg := await reader.next()) is not None:
                 kind = msg.WhichOneof("kind")
                 if kind == "open":
                     if session is not None:
@@ -74,13 +102,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     request = codec.open_from_pb(msg.open, engine.vocab_size)
                     session = await _ask(engine.open, request)
                     self.recent_peers.append(context.peer())
+                    decodes = request.server_decodes
                     yield codec.opened_to_pb(session, cfg.max_draft_tokens, engine.vocab_size, cfg.max_seq_len,
-                                             engine.target.name)
+                                             engine.target.name, decodes)
+                    if decodes:
+                        async for out in self._decode(engine, session.id, reader):
+                            yield out
                 elif kind == "draft":
                     if session is None:
                         raise SledError("FAILED_PRECONDITION", "send Open before the first Draft")
                     if msg.draft.session_id != session.id:
                         raise SledError("NOT_FOUND", f"unknown session {msg.draft.session_id!r}: this stream holds session {session.id}")
+                    if decodes:
+                        raise SledError("FAILED_PRECONDITION", f"session {session.id} is decoded by the server "
+                                                               "(Open.server_decodes): send no Draft")
                     draft = codec.draft_from_pb(msg.draft, engine.vocab_size, cfg.max_draft_tokens, cfg.max_draft_top_k)
                     verdict = await _ask(engine.verify, session.id, draft)
                     yield codec.verdict_to_pb(verdict)
@@ -90,8 +125,33 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 else:
                     raise invalid("empty ClientMessage: set one of open, draft, close")
         finally:
+            reader.cancel()
             if session is not None:
                 engine.close(session.id)  # also when the client vanished: its KV slot is freed
+
+    async def _decode(self, engine, session_id: str, reader: "_Reader"):
+        """Decode every token of a session on the server (Open.server_decodes), a Verdict each, until one is
+        finished or the client writes again (a Close, or anything else, which Session then answers). Each next
+        token is asked of the engine before the last one's Verdict is written, so the session keeps its place in
+        the engine's steps as a client on loopback would, and no network round trip comes between tokens."""
+        round_ = 0
+        asking = asyncio.ensure_future(_ask(engine.verify, session_id, codec.decode_request(round_)))
+        try:
+            while True:
+                incoming = reader.pending()
+                await asyncio.wait({asking, incoming}, return_when=asyncio.FIRST_COMPLETED)
+                if not asking.done():
+                    return  # the client wrote: Session reads it
+                verdict = asking.result()
+                if not verdict.finished:
+                    round_ += 1
+                    asking = asyncio.ensure_future(_ask(engine.verify, session_id, codec.decode_request(round_)))
+                yield codec.verdict_to_pb(verdict)
+                if verdict.finished:
+                    return
+        finally:
+            if not asking.done():
+                asking.cancel()
 
     async def GetInfo(self, request, context):
         engine = self._engine()

@@ -30,6 +30,7 @@ class OpenRequest:
     max_tokens: int
     stop_token_ids: frozenset[int]
     client_id: str = ""
+    server_decodes: bool = False  # no drafts: the server decodes every token and streams it
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_
 
     server = make_server()
     host, _, port = server.address.rpartition(":")
-    link = LinkEmulator(LinkSpec(delay_ms=100), host, int(port))  # a round trip of 200 ms
+    link = LinkEmulator(LinkSpec(delay_ms=200), host, int(port))  # a round trip of 400 ms
 
     async def session_closed() -> tuple[float, float, object, int]:
         client = VerifierClient(f"127.0.0.1:{link.port}")
@@ -74,8 +74,10 @@ def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_
         opened, closing, code, left = run(session_closed())
     finally:
         link.close()
-    assert opened >= 0.2, opened  # the Open paid the round trip
-    assert closing < 0.1, closing  # the Close did not (waiting for the server's Closed took >= 0.2 s)
+    assert opened >= 0.4, opened  # the Open paid the round trip
+    # the Close did not (waiting for the server's Closed took the round trip, >= 0.4 s); the margin is for a loaded
+    # host (0.106 s was seen once in a full run with a 0.1 s bound)
+    assert closing < 0.2, closing
     assert left == 1  # its stream end was still being read when close() returned ...
     assert code == grpc.StatusCode.OK  # ... and the server got the Close and ended the stream (not cancelled)
     deadline = time.monotonic() + 5

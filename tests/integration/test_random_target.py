@@ -10,26 +10,9 @@ import pytest
 import torch
 
 from kernels.attention import Segment
-from tests.conftest import ServerThread, run
+from tests.conftest import run
 
 pytestmark = pytest.mark.model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from verify_server.model_loader import load_target
-
-    return load_target("random:llama-tiny", torch.device("cpu"), torch.float32)
-
-
-@pytest.fixture
-def tiny_server(tiny):
-    from verify_server.config import ServerConfig
-
-    server = ServerThread(ServerConfig(host="127.0.0.1", port=0, max_sessions=8, max_seq_len=256, seed=0,
-                                       target="random:llama-tiny"), tiny).load()
-    yield server
-    server.stop()
 
 
 def test_random_target_speaks_the_devices_vocabulary(tiny, tokenizer):
@@ -220,30 +203,42 @@ def test_the_window_opens_only_once_every_device_has_committed(tiny_server, toke
     assert min(times) >= t0 + w.opened_s
 
 
-def test_devices_over_a_link_pay_its_round_trip_each_round(tiny_server, tokenizer):
-    """bench_system.py --link: every device reaches the server through the relay process, so each of its rounds
-    takes at least the link's round trip (25 ms each way here), where on loopback they take a few ms; the window
-    records the CPU the relay took."""
+def test_over_a_link_sled_pays_the_round_trip_each_round_and_server_only_once_a_request(tiny_server, tokenizer):
+    """bench_system.py --link: every device reaches the server through the relay process (25 ms each way here). A SLED
+    device pays the round trip each round. A server-only device pays it once a request, for its Open: the server
+    decodes and streams every token (Open.server_decodes), so the tokens come at the server's pace, as on loopback.
+    The window records the CPU the relay took."""
     from edge_client.drafters import create_drafter
-    from scripts.bench_system import prompts, run_window
+    from scripts.bench_system import ReplayDrafter, greedy_outputs, prompts, run_window, synthesize_tables
     from scripts.linkemu import LinkProcess, LinkSpec
 
     ids = prompts(tokenizer, 2)
+    fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)
+    tables = synthesize_tables(fulls, [len(i) for i in ids], 1.0, tokenizer.vocab_size)
     host, _, port = tiny_server.address.rpartition(":")
 
     def rounds(w):
-        return [seconds for dev in w.rounds for _, _, seconds in dev]
+        return sorted(seconds for dev in w.rounds for _, _, seconds in dev)
 
-    loopback = run(run_window(tiny_server.address, tokenizer, lambda p: create_drafter("none"), ids, 2, 8, 0, 0.2, 0.6))
+    def server_only(link=None):
+        return run(run_window(tiny_server.address, tokenizer, lambda p: create_drafter("none"), ids, 2, 8, 0, 0.2,
+                              0.8, link=link))
+
+    loopback = server_only()
     relay = LinkProcess(LinkSpec(delay_ms=25), host, int(port))
     relay.start()
     try:
-        linked = run(run_window(tiny_server.address, tokenizer, lambda p: create_drafter("none"), ids, 2, 8, 0, 0.2,
-                                1.0, link=relay))
+        linked = server_only(relay)
+        sled = run(run_window(tiny_server.address, tokenizer, lambda p: ReplayDrafter(tables[p], 0.0, fulls[p]), ids,
+                              2, 8, 4, 0.2, 0.8, link=relay))
     finally:
         relay.stop()
-    assert all(dev for dev in linked.rounds)  # both devices committed through their links
-    assert min(rounds(linked)) >= 0.05 > float(sorted(rounds(loopback))[len(rounds(loopback)) // 2])
+    assert all(dev for dev in linked.rounds) and all(dev for dev in sled.rounds)  # all committed through their links
+    assert rounds(sled)[0] >= 0.05  # every SLED round: a draft out and its verdict back
+    # server-only: each request's Open pays the round trip, and its tokens then stream
+    assert all(r.elapsed_s >= 0.05 for r in linked.results)
+    assert rounds(linked)[len(rounds(linked)) // 2] < 0.05 > rounds(loopback)[len(rounds(loopback)) // 2]
+    assert all(t == 1 for dev in linked.rounds for _, t, _ in dev)  # a token a verdict
     assert linked.link_cpu is not None and linked.link_cpu >= 0 and loopback.link_cpu is None
     assert relay.relayed.startswith("relayed ") and int(relay.relayed.split()[1]) > 0
 
