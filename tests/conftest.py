@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 
 import pytest
 
@@ -89,6 +90,14 @@ def target():
     from verify_server.model_loader import load_target
 
     return load_target(None, torch.device("cpu"), torch.float32)
+
+
+def all_freed(server, within_s=5.0) -> bool:
+    """Whether the server's sessions are all freed within `within_s` (its engine closes them from its inbox)."""
+    deadline = time.monotonic() + within_s
+    while server.engine.stats()["active_sessions"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return server.engine.stats()["active_sessions"] == 0
 
 
 @pytest.fixture(scope="session")

@@ -87,11 +87,6 @@ def opened_to_pb(session: Session, max_draft_tokens: int, vocab_size: int, conte
                                              target_name=target_name, server_decodes=server_decodes))
 
 
-def decode_request(round_: int) -> DraftRequest:
-    """The empty draft the server verifies for a session it decodes itself (Open.server_decodes): one token."""
-    return DraftRequest(round_, (), None, None)
-
-
 _REASONS = {STOP: pb.FINISH_REASON_STOP, LENGTH: pb.FINISH_REASON_LENGTH, None: pb.FINISH_REASON_UNSPECIFIED}
 
 

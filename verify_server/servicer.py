@@ -14,6 +14,7 @@ from sled.v1 import verify_pb2_grpc as pb_grpc
 
 from . import codec
 from .errors import SledError, invalid
+from .sessions import DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,11 @@ class _Reader:
         return self._pending
 
     async def next(self):
-        """The next client message, or None once the client is done writing."""
-        fut, self._pending = self.pending(), None
+        """The next client message, or None once the client is done writing. Without a pending read it reads
+        directly: a task a message only where another wait needs it (`pending`)."""
+        fut, self._pending = self._pending, None
         try:
-            return await fut
+            return await (fut if fut is not None else self._it.__anext__())
         except StopAsyncIteration:
             return None
 
@@ -135,7 +137,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         token is asked of the engine before the last one's Verdict is written, so the session keeps its place in
         the engine's steps as a client on loopback would, and no network round trip comes between tokens."""
         round_ = 0
-        asking = asyncio.ensure_future(_ask(engine.verify, session_id, codec.decode_request(round_)))
+        asking = asyncio.ensure_future(_ask(engine.verify, session_id, DraftRequest.empty(round_)))
         try:
             while True:
                 incoming = reader.pending()
@@ -145,7 +147,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 verdict = asking.result()
                 if not verdict.finished:
                     round_ += 1
-                    asking = asyncio.ensure_future(_ask(engine.verify, session_id, codec.decode_request(round_)))
+                    asking = asyncio.ensure_future(_ask(engine.verify, session_id, DraftRequest.empty(round_)))
                 yield codec.verdict_to_pb(verdict)
                 if verdict.finished:
                     return

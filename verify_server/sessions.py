@@ -40,6 +40,11 @@ class DraftRequest:
     q_ids: torch.Tensor | None  # [num_draft, K] int64, None: each token chosen deterministically
     q_probs: torch.Tensor | None  # [num_draft, K] float32
 
+    @staticmethod
+    def empty(round_: int) -> "DraftRequest":
+        """No draft tokens: the verification emits the target's next token alone (a session the server decodes)."""
+        return DraftRequest(round_, (), None, None)
+
 
 @dataclass(frozen=True)
 class Verdict:

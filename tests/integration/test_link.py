@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import run
+from tests.conftest import all_freed, run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from linkemu import LinkEmulator, LinkSpec  # noqa: E402
@@ -80,10 +80,7 @@ def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_
     assert closing < 0.2, closing
     assert left == 1  # its stream end was still being read when close() returned ...
     assert code == grpc.StatusCode.OK  # ... and the server got the Close and ended the stream (not cancelled)
-    deadline = time.monotonic() + 5
-    while server.engine.stats()["active_sessions"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.engine.stats()["active_sessions"] == 0
+    assert all_freed(server)
 
 
 def test_a_closed_session_whose_server_does_not_answer_in_time_is_cancelled_and_close_is_bounded(
@@ -124,7 +121,4 @@ def test_a_closed_session_whose_server_does_not_answer_in_time_is_cancelled_and_
         link.close()
     assert drained == grpc.StatusCode.CANCELLED  # the drain gave up and cancelled the call
     assert closing < 0.15, closing  # the Closed was 1 s away
-    deadline = time.monotonic() + 5
-    while server.engine.stats()["active_sessions"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.engine.stats()["active_sessions"] == 0  # the server freed both sessions
+    assert all_freed(server)  # the server freed both sessions

@@ -3,24 +3,15 @@ server-only way of serving (no round trip between tokens); the device's `none` d
 
 import asyncio
 import dataclasses
-import time
 
 import grpc
 import pytest
 
 from sled.v1 import verify_pb2 as pb
 from sled.v1 import verify_pb2_grpc as pb_grpc
-from tests.conftest import run
+from tests.conftest import all_freed, run
 
 pytestmark = pytest.mark.model
-
-
-def all_freed(server, within_s=5.0) -> bool:
-    """Whether the server's sessions are all freed within `within_s` (its engine closes them from its inbox)."""
-    deadline = time.monotonic() + within_s
-    while server.engine.stats()["active_sessions"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return server.engine.stats()["active_sessions"] == 0
 
 
 def open_msg(tiny, ids, max_tokens, server_decodes):
