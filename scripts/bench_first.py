@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -25,17 +26,23 @@ from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
 from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
 
+def drafter_threads(n: int) -> int:
+    """Each of n co-located drafters gets its share of this machine's cores, one thread at least."""
+    return max(1, (os.cpu_count() or 1) // n)
+
+
 async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int, max_tokens: int, k: int,
-                       temperature: float) -> dict:
+                       temperature: float, draft_ahead: bool = False) -> dict:
     client = VerifierClient(address)
-    drafters = [create_drafter(drafter, DrafterOptions(context_size=1024, threads=1)) for _ in range(n)]
+    drafters = [create_drafter(drafter, DrafterOptions(context_size=1024, threads=drafter_threads(n)))
+                for _ in range(n)]
     prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
                for i in range(n)]
     before = await client.info()
     start = time.perf_counter()
     results = await asyncio.gather(*[
         generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=False,
-                 sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
+                 draft_ahead=draft_ahead, sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
         for i, (d, p) in enumerate(zip(drafters, prompts))
     ])
     wall = time.perf_counter() - start
@@ -66,6 +73,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per session (default 64)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="K for the llama.cpp drafter (default 4)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
+    ap.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
+                    help="let each drafter draft ahead while its draft is verified (default off: here it would draft "
+                         "on the cores the server verifies on, and slow every step down)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--markdown", metavar="FILE", default=str(ROOT / "docs" / "benchmarks.md"),
                     help="markdown file whose 'First figures' section is rewritten (default docs/benchmarks.md)")
@@ -82,7 +92,7 @@ def main() -> int:
             for i, (n, drafter) in enumerate(plan, 1):
                 print(f"[bench] {i}/{len(plan)}: {n} sessions, drafter {drafter} ...", end=" ", flush=True)
                 row = asyncio.run(run_sessions(address, tokenizer, drafter, n, args.max_tokens, args.draft_tokens,
-                                               args.temperature))
+                                               args.temperature, args.draft_ahead))
                 print(f"{row['system_tokens_per_s']:.1f} tok/s, acceptance {row['acceptance_rate']:.2f}", flush=True)
                 rows.append(row)
     except RuntimeError as err:
@@ -108,12 +118,15 @@ def main() -> int:
         f"- machine: {machine()} (no GPU); devices and server share these cores\n"
         f"- command: `{cmd.strip()}` (also `make bench`)\n"
         f"- target: SmolLM2-135M-Instruct (GGUF dequantized to float32, torch on CPU); drafter: the same GGUF "
-        f"(Q4_1) in llama.cpp, K = {args.draft_tokens}, one thread per session; {args.max_tokens} tokens per "
+        f"(Q4_1) in llama.cpp, K = {args.draft_tokens}, drafting ahead {'on' if args.draft_ahead else 'off'}, "
+        f"each session's drafter with its share of the {os.cpu_count()} cores (1 thread at least: "
+        + ", ".join(f"{n} sessions {drafter_threads(n)}" for n in counts) + f"); {args.max_tokens} tokens per "
         f"session, temperature {args.temperature:g}, chat prompts\n"
         "- server-only = the same server with `--drafter none`: it decodes every token, batched across sessions\n"
         "- system tok/s = all generated tokens / wall time of the whole round; batch = verifications per server step\n"
-        "- co-located: the N drafters (one llama.cpp thread each) run on the same cores as the server, so from a few "
-        "sessions on, SLED's drafting takes CPU time from verification, which server-only does not pay. Real devices "
+        "- co-located: the N drafters run on the same cores as the server, so SLED's drafting takes CPU time from "
+        "verification, which server-only does not pay (drafting ahead, off here unless asked, would draft during "
+        "every step). Real devices "
         "draft on their own hardware: the capacity comparison, with the server measured apart from drafting, is the "
         "system benchmark below\n\n"
         + table + "\n"
