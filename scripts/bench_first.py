@@ -26,6 +26,29 @@ from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
 from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
 
+def first_table(rows: list[dict], counts: list[int]) -> str:
+    """The section's table: per session count, each mode's pass with the median system tok/s (the lower middle one
+    of an even number), the ratio of those, and SLED / server-only pass by pass (both modes of a pass ran one after
+    the other)."""
+    lines = [
+        "| sessions | SLED tok/s | server-only tok/s | ratio | acceptance | mean accept. length | SLED batch | "
+        "server-only batch | ratio per pass |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in counts:
+        runs = {d: sorted((r for r in rows if r["sessions"] == n and r["drafter"] == d),
+                          key=lambda r: r["system_tokens_per_s"]) for d in ("llama-cpp", "none")}
+        s, b = (runs[d][(len(runs[d]) - 1) // 2] for d in ("llama-cpp", "none"))
+        paired = {r["pass"]: r["system_tokens_per_s"] for r in runs["none"]}
+        per_pass = ", ".join(f"{r['system_tokens_per_s'] / paired[r['pass']]:.2f}x"
+                             for r in sorted(runs["llama-cpp"], key=lambda r: r["pass"]) if r["pass"] in paired)
+        lines.append(f"| {n} | {s['system_tokens_per_s']:.1f} | {b['system_tokens_per_s']:.1f} | "
+                     f"{s['system_tokens_per_s'] / b['system_tokens_per_s']:.2f}x | {s['acceptance_rate']:.2f} | "
+                     f"{s['mean_acceptance_length']:.2f} | {s['mean_batch_sessions']:.1f} | "
+                     f"{b['mean_batch_sessions']:.1f} | {per_pass} |")
+    return "\n".join(lines)
+
+
 def drafter_threads(n: int) -> int:
     """Each of n co-located drafters gets its share of this machine's cores, one thread at least."""
     return max(1, (os.cpu_count() or 1) // n)
@@ -76,40 +99,39 @@ def main() -> int:
     ap.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
                     help="let each drafter draft ahead while its draft is verified (default off: here it would draft "
                          "on the cores the server verifies on, and slow every step down)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="passes over every session count and mode, each pass in the other order (default 3)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--markdown", metavar="FILE", default=str(ROOT / "docs" / "benchmarks.md"),
                     help="markdown file whose 'First figures' section is rewritten (default docs/benchmarks.md)")
     args = ap.parse_args()
-    counts = [int(x) for x in args.sessions.split(",")]
-
+    try:
+        counts = [int(x) for x in args.sessions.split(",")]
+    except ValueError:
+        ap.error(f"--sessions takes comma-separated whole numbers, got {args.sessions!r}")
+    if min(counts) < 1:
+        ap.error(f"--sessions counts must be at least 1, got {args.sessions!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     rows = []
     try:
         with ServerProcess("--max-sessions", str(max(counts) + 2), "--max-seq-len", "1024",
                            "--max-wait-ms", "5") as address:
             tokenizer = Tokenizer()
             asyncio.run(run_sessions(address, tokenizer, "llama-cpp", 1, 8, args.draft_tokens, 0.0))  # warm caches
-            plan = [(n, d) for n in counts for d in ("llama-cpp", "none")]
-            for i, (n, drafter) in enumerate(plan, 1):
-                print(f"[bench] {i}/{len(plan)}: {n} sessions, drafter {drafter} ...", end=" ", flush=True)
+            plan = [(p, n, d) for p in range(1, args.repeats + 1) for n in counts
+                    for d in (("llama-cpp", "none") if p % 2 else ("none", "llama-cpp"))]
+            for i, (p, n, drafter) in enumerate(plan, 1):
+                print(f"[bench] {i}/{len(plan)}: pass {p}, {n} sessions, drafter {drafter} ...", end=" ", flush=True)
                 row = asyncio.run(run_sessions(address, tokenizer, drafter, n, args.max_tokens, args.draft_tokens,
                                                args.temperature, args.draft_ahead))
                 print(f"{row['system_tokens_per_s']:.1f} tok/s, acceptance {row['acceptance_rate']:.2f}", flush=True)
-                rows.append(row)
+                rows.append({**row, "pass": p})
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1
 
-    by = {(r["sessions"], r["drafter"]): r for r in rows}
-    lines = [
-        "| sessions | SLED tok/s | server-only tok/s | ratio | acceptance | mean accept. length | SLED batch | server-only batch |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for n in counts:
-        s, b = by[(n, "llama-cpp")], by[(n, "none")]
-        lines.append(f"| {n} | {s['system_tokens_per_s']:.1f} | {b['system_tokens_per_s']:.1f} | "
-                     f"{s['system_tokens_per_s'] / b['system_tokens_per_s']:.2f}x | {s['acceptance_rate']:.2f} | "
-                     f"{s['mean_acceptance_length']:.2f} | {s['mean_batch_sessions']:.1f} | {b['mean_batch_sessions']:.1f} |")
-    table = "\n".join(lines)
+    table = first_table(rows, counts)
     print("\n" + table)
     cmd = "python scripts/bench_first.py " + " ".join(sys.argv[1:])
     section = (
@@ -124,6 +146,8 @@ def main() -> int:
         f"session, temperature {args.temperature:g}, chat prompts\n"
         "- server-only = the same server with `--drafter none`: it decodes every token, batched across sessions\n"
         "- system tok/s = all generated tokens / wall time of the whole round; batch = verifications per server step\n"
+        f"- {args.repeats} passes, the modes' order reversed on every other one; each mode's row is its pass with the "
+        "median system tok/s, and 'ratio per pass' gives SLED / server-only of each pass\n"
         "- co-located: the N drafters run on the same cores as the server, so SLED's drafting takes CPU time from "
         "verification, which server-only does not pay (drafting ahead, off here unless asked, would draft during "
         "every step). Real devices "

@@ -592,3 +592,25 @@ def test_bench_system_refuses_a_bad_link_before_starting_anything():
                           (["--link", "delay_ms=5", "--match-only"], "--match-only records along loopback")):
         done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_first_table_takes_each_modes_median_pass_and_pairs_the_ratios_by_pass():
+    """bench_first.py: per session count, each mode's row is its median pass by system tok/s, and the per-pass
+    ratios pair SLED with the server-only run of the same pass, not with the median one."""
+    from scripts.bench_first import first_table
+
+    def row(drafter, p, tok_s, n=1):
+        return {"drafter": drafter, "sessions": n, "pass": p, "system_tokens_per_s": tok_s, "acceptance_rate": 0.9,
+                "mean_acceptance_length": 4.5, "mean_batch_sessions": float(p)}
+
+    rows = [row("llama-cpp", 1, 30.0), row("none", 1, 40.0), row("none", 2, 20.0), row("llama-cpp", 2, 10.0),
+            row("llama-cpp", 3, 50.0), row("none", 3, 25.0), row("llama-cpp", 1, 90.0, 4), row("none", 1, 45.0, 4)]
+    lines = first_table(rows, [1, 4]).splitlines()
+    assert len(lines) == 4
+    # medians: SLED 30.0 (pass 1), server-only 25.0 (pass 3); batch columns show which pass each row came from
+    assert lines[2] == "| 1 | 30.0 | 25.0 | 1.20x | 0.90 | 4.50 | 1.0 | 3.0 | 0.75x, 0.50x, 2.00x |"
+    assert lines[3] == "| 4 | 90.0 | 45.0 | 2.00x | 0.90 | 4.50 | 1.0 | 1.0 | 2.00x |"
+    # an even number of passes: the lower middle one
+    two = first_table([row("llama-cpp", 1, 30.0), row("none", 1, 40.0), row("llama-cpp", 2, 20.0),
+                       row("none", 2, 10.0)], [1]).splitlines()
+    assert two[2].startswith("| 1 | 20.0 | 10.0 | 2.00x |")
