@@ -26,6 +26,7 @@ from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
 from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
 
+
 def first_table(rows: list[dict], counts: list[int]) -> str:
     """The section's table: per session count, each mode's pass with the median system tok/s (the lower middle one
     of an even number), the ratio of those, and SLED / server-only pass by pass (both modes of a pass ran one after
@@ -65,7 +66,8 @@ async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int,
     start = time.perf_counter()
     results = await asyncio.gather(*[
         generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=False,
-                 draft_ahead=draft_ahead, sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
+                 draft_ahead=draft_ahead,
+                 sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
         for i, (d, p) in enumerate(zip(drafters, prompts))
     ])
     wall = time.perf_counter() - start
