@@ -167,10 +167,28 @@ def hold_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+_stop: list[str] = []  # the signal that asked the run to stop (set by `interrupted`, read by `pause`)
+
+
 def interrupted(signum: int, _frame) -> None:
-    """Ctrl-C or SIGTERM: stop the run once; further signals are ignored until everything is cleaned up."""
+    """Ctrl-C or SIGTERM: ask the run to stop, once; further signals are ignored until everything is cleaned up.
+    It only records the signal. An exception raised here lands in whatever the main thread runs at that moment, an
+    object's __del__ included (a gRPC channel's, freed after a health check), where Python prints and drops it:
+    the run then waited on, deaf to the signals it had just turned off. `pause` raises it in the run's own code."""
     hold_signals()
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    _stop.append(signal.Signals(signum).name)
+
+
+def pause(seconds: float) -> None:
+    """Sleep up to `seconds`; KeyboardInterrupt once a signal has asked the run to stop (checked every 0.1 s)."""
+    end = time.monotonic() + seconds
+    while True:
+        if _stop:
+            raise KeyboardInterrupt(_stop[0])
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(0.1, left))
 
 
 def main() -> int:
@@ -268,16 +286,16 @@ def main() -> int:
                         raise RuntimeError(f"{name} exited with {procs[name].returncode}")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{name} not healthy before the timeout")
-                    time.sleep(1)
+                    pause(1)
                 print(f"[simulate] {name} is healthy (SERVING)", flush=True)
                 started_healthy.add(name)
         devices = [n for n in services if plan.grpc_port(n) is None]
         for name in devices:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("the simulation ran past --timeout")
-            procs[name].wait(timeout=remaining)
-        time.sleep(0.2)
+            while procs[name].poll() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the simulation ran past --timeout")
+                pause(0.2)
+        pause(0.2)
         summaries, failed = [], []
         for name in devices:
             summary = next((json.loads(l) for l in reversed(logs[name]) if l.startswith("{")), None)
@@ -298,7 +316,7 @@ def main() -> int:
             print(f"[simulate] failed: {failed}", file=sys.stderr)
             return 1
         return 0
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, KeyboardInterrupt) as err:
+    except (RuntimeError, TimeoutError, KeyboardInterrupt) as err:
         print(f"[simulate] stopping: {err!r}", file=sys.stderr)
         return 1
     finally:

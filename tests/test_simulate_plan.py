@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 import scripts.ports as ports
 import scripts.simulate as simulate
 
@@ -39,3 +41,21 @@ def test_the_services_get_distinct_ports_though_the_kernel_reuses_a_released_one
     plan = simulate.Plan(simulate.load_compose(ROOT / "docker-compose.yml"))
     assert len(plan.ports) >= 2 and len(set(plan.ports.values())) == len(plan.ports), plan.ports
     assert plan.ports[("verify-server", 50051)] != plan.ports[("verify-server", 9400)]
+
+
+def test_a_signal_that_arrives_inside_a_destructor_still_stops_the_run(monkeypatch):
+    """A Ctrl-C once came while Python ran a freed gRPC channel's __del__: the handler's KeyboardInterrupt was
+    printed and dropped there, the handler had already turned further signals off, and the run waited on. The
+    handler now only records the signal, and the run's own waits (`pause`) raise it."""
+    import signal
+
+    monkeypatch.setattr(simulate, "_stop", [])
+    monkeypatch.setattr(simulate, "hold_signals", lambda: None)  # leave pytest's own handlers alone
+
+    class Freed:
+        def __del__(self):
+            simulate.interrupted(signal.SIGINT, None)
+
+    Freed()  # freed at once: its __del__ takes the signal, and whatever it raised would be dropped
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        simulate.pause(5)
