@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,6 +15,7 @@ from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .transport import VerifierClient
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Completion:
@@ -105,7 +107,7 @@ class Agent:
                                         draft_ahead=self.config.draft_ahead, controller=controller,
                                         confidence_stop=self.config.confidence_stop,
                                         client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
-                                        should_stop=lambda: stop.hit)
+                                        should_stop=lambda: stop.hit, on_status=log.warning)
             finally:
                 self.active -= 1
                 self.served += 1

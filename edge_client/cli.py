@@ -10,8 +10,17 @@ import sys
 from .drafters import REGISTRY
 
 
+def _server_address(text: str) -> str:
+    from .config import check_server
+
+    try:
+        return check_server(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _add_server(p) -> None:
-    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT", type=_server_address,
                    help="verify server address (default 127.0.0.1:50051)")
 
 
@@ -273,7 +282,8 @@ async def _generate(args) -> dict:
                                 sampling=sampling, draft_tokens=args.draft_tokens,
                                 on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}",
                                 resilience=resilience, adaptive=args.adaptive, max_draft_tokens=args.max_draft_tokens,
-                                draft_ahead=args.draft_ahead, confidence_stop=args.confidence_stop)
+                                draft_ahead=args.draft_ahead, confidence_stop=args.confidence_stop,
+                                on_status=lambda message: print(f"sled-edge: {message}", file=sys.stderr, flush=True))
     finally:
         await client.close()
         drafter.close()
@@ -297,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stats = asyncio.run(_generate(args))
     except VerifyError as err:
-        print(f"sled-edge: the server refused: {err}", file=sys.stderr)
+        unreachable = err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        print(f"sled-edge: {'' if unreachable else 'the server refused: '}{err}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as err:
         print(f"sled-edge: {err}", file=sys.stderr)

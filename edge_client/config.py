@@ -50,9 +50,7 @@ class EdgeConfig:
             raise ValueError(f"drafter must be one of {', '.join(sorted(REGISTRY))}, got {self.drafter!r}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
-        host, _, port = self.server.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"server must be HOST:PORT, got {self.server!r}")
+        check_server(self.server)
         for name in ("context_size", "max_concurrent", "default_max_tokens", "wait_deadline_s", "round_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
@@ -69,6 +67,14 @@ class EdgeConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(EdgeConfig)}
+
+
+def check_server(address: str) -> str:
+    """A verify server's HOST:PORT, checked: gRPC would take a missing port as 443."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"server must be HOST:PORT with a port in 1..65535, got {address!r}")
+    return address
 
 
 def load_edge_config(path: str | Path | None = None, **overrides: Any) -> EdgeConfig:

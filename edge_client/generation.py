@@ -59,6 +59,8 @@ FALLBACKS = ("wait", "local", "fail")
 # 32. Always empty
 # (commit d1c17cb) left the 6-layer ONNX drafter, accepted almost never, sending nothing.
 EMPTY_AFTER_MISS = 0.8
+# The shortest wait an Open gets under the wait policy, near its deadline: long enough to reach a server that is up.
+MIN_OPEN_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ class _Generation:
     def __init__(self, client, drafter, tokenizer, prompt, max_tokens, sampling, draft_tokens, stop_ids, on_text,
                  client_id, resilience, should_stop, adaptive: AdaptiveDraftLength | None = None,
                  draft_ahead: bool = True, answer_at_once: bool = True,
-                 empty_after_miss: float | None = EMPTY_AFTER_MISS):
+                 empty_after_miss: float | None = EMPTY_AFTER_MISS, on_status: Callable[[str], None] | None = None):
         self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
         self.empty_after_miss = empty_after_miss
         self.max_tokens, self.sampling, self.k = max_tokens, sampling, draft_tokens
@@ -191,8 +193,9 @@ class _Generation:
         self.pieces: list[str] = []
         self.session: RemoteSession | None = None
         self.opens = 0
-        self.outage_since: float | None = None
+        self.outage_since: float | None = None  # time.monotonic() when the server was last found unreachable
         self.next_attempt = 0.0
+        self.on_status = on_status
         self.backoff = resilience.backoff_initial_s
         self.adaptive = adaptive if draft_tokens > 0 else None
         # Nothing drafted: the server decodes every token and streams it (Open.server_decodes), no round trip a token.
@@ -247,10 +250,17 @@ class _Generation:
         msg = codec.open_message(self.context, sampling, self.max_tokens - len(self.result.token_ids),
                                  self.tokenizer.fingerprint, self.request_stops, self.client_id,
                                  self.client.auth_token or "", self.server_decodes)
-        self.session = await self.client.open(msg, timeout=self.policy.round_timeout_s,
-                                              wait_for_ready=self.policy.fallback == "wait")
+        self.attempt_at = time.monotonic()
+        # The first attempt fails at once where the server is down, so the outage is told at once; the attempts
+        # after it, under the wait policy, wait for the server to come up (bounded by _open_timeout).
+        self.session = await self.client.open(msg, timeout=self._open_timeout(), wait_for_ready=(
+            self.policy.fallback == "wait" and self.outage_since is not None))
         if self.opens:
             self.result.reconnects += 1
+        if self.outage_since is not None:
+            after = f"verify server {self._address()} reached after {time.monotonic() - self.outage_since:.1f}s"
+            self._status(f"{after}: the session reopened with its whole context ({len(self.context)} tokens)"
+                         if self.opens else after)
         self.opens += 1
         self.k = min(self.k, self.session.opened.max_draft_tokens)
         if self.adaptive is not None:
@@ -258,20 +268,43 @@ class _Generation:
             self.adaptive.k = min(self.adaptive.k, self.adaptive.k_max)
         self.outage_since, self.backoff = None, self.policy.backoff_initial_s
 
-    def outage(self, err: VerifyError) -> None:
-        """The server is unreachable: decide whether to go on, and when to try again."""
+    def _address(self) -> str:
+        return getattr(self.client, "address", "") or "(no address)"
+
+    def _status(self, message: str) -> None:
+        if self.on_status is not None:
+            self.on_status(message)
+
+    def _open_timeout(self) -> float:
+        """How long an Open may take. Under the wait policy it waits for the server to come up, for the round timeout
+        at most and never past the wait deadline, which counts from the start of the first attempt that failed."""
+        if self.policy.fallback != "wait":
+            return self.policy.round_timeout_s
+        now = time.monotonic()
+        left = self.policy.wait_deadline_s - (now - (self.outage_since if self.outage_since is not None else now))
+        return max(MIN_OPEN_TIMEOUT_S, min(self.policy.round_timeout_s, left))
+
+    def outage(self, err: VerifyError, began: float) -> None:
+        """The server is unreachable since `began` (the start of the attempt that failed, unless an outage is already
+        under way): decide whether to go on, and when to try again."""
         if err.code not in TRANSIENT:
             raise err
         now = time.monotonic()
-        if self.outage_since is None:
-            self.outage_since = now
         if self.policy.fallback == "fail":
-            raise VerifyError(err.code, f"verify server unreachable ({err.message}); fallback policy is fail")
+            raise VerifyError(err.code, f"verify server {self._address()} unreachable ({err.message}); "
+                                        "fallback policy is fail")
+        if self.outage_since is None:
+            self.outage_since = began
+            then = (f"waiting up to {self.policy.wait_deadline_s:g}s for it" if self.policy.fallback == "wait"
+                    else "going on with the drafter alone, its tokens marked unverified, until it is back")
+            self._status(f"verify server {self._address()} unreachable ({err.code}: {err.message}); {then}")
         waited = now - self.outage_since
-        if self.policy.fallback == "wait" and waited + self.backoff > self.policy.wait_deadline_s:
-            raise VerifyError("DEADLINE_EXCEEDED", f"verify server unreachable for {waited:.0f}s, past the wait "
-                                                   f"deadline of {self.policy.wait_deadline_s:g}s: {err.message}")
-        self.next_attempt = now + self.backoff
+        left = self.policy.wait_deadline_s - waited
+        if self.policy.fallback == "wait" and left <= 0:
+            raise VerifyError("DEADLINE_EXCEEDED", f"verify server {self._address()} unreachable for {waited:.1f}s, "
+                                                   f"past the wait deadline of {self.policy.wait_deadline_s:g}s: "
+                                                   f"{err.message}")
+        self.next_attempt = now + (min(self.backoff, left) if self.policy.fallback == "wait" else self.backoff)
         self.backoff = min(self.backoff * 2, self.policy.backoff_max_s)
 
     def local_round(self) -> str | None:
@@ -332,17 +365,18 @@ class _Generation:
                             continue
                     await asyncio.sleep(wait)
                     continue
+                began = time.monotonic()
                 try:
                     await self.open_drafting()
                 except VerifyError as err:
-                    self.outage(err)
+                    self.outage(err, began)
                     continue
             k = self.round_k()
             t_round = time.perf_counter()
             self.drafting = [0.0, 0]
             proposal, spare = await self.draft(k)
             prompt = self.prompt
-            t_sent = time.perf_counter()
+            t_sent, sent_at = time.perf_counter(), time.monotonic()
             verify = asyncio.ensure_future(self._verify(r.rounds, proposal))
             reply = ((float("nan"), float("nan")) if self.answering is None
                      else ((t_sent - self.answering[0]) * 1000.0, self.answering[1]))
@@ -368,7 +402,7 @@ class _Generation:
                     err = VerifyError("DEADLINE_EXCEEDED", f"no verdict within {self.policy.round_timeout_s:g}s")
                 self.session.cancel()
                 self.session, self.carry, self.answering = None, None, None
-                self.outage(err)
+                self.outage(err, sent_at)
                 self.next_attempt = time.monotonic()  # first try again at once: the server may be back already
                 continue
             committed = proposal.token_ids[: verdict.n_accepted]
@@ -591,6 +625,7 @@ async def generate(
     confidence_stop: bool = False,
     answer_at_once: bool = True,
     empty_after_miss: float | None = EMPTY_AFTER_MISS,
+    on_status: Callable[[str], None] | None = None,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt; on_text(piece, verified) sees the text as it is committed.
 
@@ -606,7 +641,8 @@ async def generate(
     the rest of K after it where the tokens drafted ahead fall short (the behaviour before commit d1c17cb), for
     scripts/bench_system.py to compare; with answer_at_once=True the device does so too while the server queues its
     drafts (module docstring). empty_after_miss is the acceptance from which a miss answered at once gets an
-    empty draft (module docstring); None drafts K afresh after every miss.
+    empty draft (module docstring); None drafts K afresh after every miss. on_status(message) hears when the server
+    is found unreachable and when it is back (the CLI prints it, the agent logs it).
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
@@ -625,5 +661,5 @@ async def generate(
         controller.confidence_stop = confidence_stop
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, draft_tokens,
                       stop_token_ids, on_text, client_id, resilience, should_stop, controller, draft_ahead,
-                      answer_at_once, empty_after_miss)
+                      answer_at_once, empty_after_miss, on_status)
     return await run.run()

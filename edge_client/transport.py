@@ -45,6 +45,10 @@ class VerifierClient:
         self.channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 30_000),
+            # gRPC's own reconnect backoff grows to 120 s by default: a server back after a long outage would be
+            # found that late by an Open waiting for it. Capped near the generation loop's own backoff (4 s).
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 4_000),
             *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
         ])
         self.stub = pb_grpc.VerifierStub(self.channel)
@@ -110,7 +114,7 @@ class RemoteSession:
             self.opened = codec.opened_from(await asyncio.wait_for(self._exchange(open_msg), timeout))
         except asyncio.TimeoutError:
             self.call.cancel()
-            raise VerifyError("DEADLINE_EXCEEDED", f"no Opened from the server within {timeout:g}s") from None
+            raise VerifyError("DEADLINE_EXCEEDED", f"no Opened from the server within {timeout:.1f}s") from None
         return self.opened
 
     async def verify(self, round_: int, proposal: Proposal) -> codec.Verdict:

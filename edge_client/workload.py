@@ -47,7 +47,8 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
                                draft_tokens=config.draft_tokens, client_id=name, resilience=resilience,
                                adaptive=config.adaptive_draft, max_draft_tokens=config.max_draft_tokens,
                                draft_ahead=config.draft_ahead, controller=controller,
-                               confidence_stop=config.confidence_stop)
+                               confidence_stop=config.confidence_stop,
+                               on_status=lambda message: log(f"[{name}] {message}"))
             runs.append(r)
             log(f"[{name}] request {i + 1}/{requests}: {len(r.token_ids)} tokens, {r.tokens_per_second:.1f} tok/s, "
                 f"acceptance {r.acceptance_rate:.2f}")

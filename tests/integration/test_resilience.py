@@ -10,7 +10,7 @@ import time
 import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
-from edge_client.generation import Resilience, _Generation
+from edge_client.generation import Resilience, _Generation, generate
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
@@ -71,8 +71,9 @@ def test_server_killed_mid_generation_then_restarted_gives_the_uninterrupted_tex
     assert stats["text"] in (seen + out).decode()
 
 
-def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max_tokens=60):
-    """Generate on an in-process server that stops after the first 10 tokens (and maybe comes back)."""
+def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max_tokens=60, statuses=None):
+    """Generate on an in-process server that stops after the first 10 tokens (and maybe comes back); the
+    generation's status messages go to `statuses`."""
     server = make_server()
     port = server.server.port
     prompt = tokenizer.encode(LONG)
@@ -101,7 +102,7 @@ def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max
     async def go():
         client = VerifierClient(server.address)
         gen = _Generation(client, drafter, tokenizer, prompt, max_tokens, SamplingParams(), 3, (), on_text, "test",
-                          resilience, None)
+                          resilience, None, on_status=None if statuses is None else statuses.append)
         holder["gen"] = gen
         try:
             return await gen.run()
@@ -115,9 +116,40 @@ def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max
 
 
 def test_wait_policy_reconnects_to_a_restarted_server(make_server, tokenizer, reference_greedy):
-    prompt, result = _generate_with_outage(make_server, tokenizer, Resilience(wait_deadline_s=60), restart=True)
+    statuses = []
+    prompt, result = _generate_with_outage(make_server, tokenizer, Resilience(wait_deadline_s=60), restart=True,
+                                           statuses=statuses)
     assert result.reconnects >= 1 and result.unverified_tokens == 0
     assert result.token_ids == reference_greedy(tuple(prompt), 60)
+    assert "unreachable" in statuses[0] and "waiting up to 60s" in statuses[0]
+    assert "reached after" in statuses[-1] and "reopened with its whole context" in statuses[-1]
+
+
+def test_wait_policy_waits_for_a_server_not_yet_up_and_says_so(make_server, tokenizer, reference_greedy):
+    port, statuses = free_port(), []
+    prompt = tokenizer.encode(LONG)
+    drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512, threads=1))
+    starting = threading.Timer(1.5, lambda: make_server(port=port))
+    starting.start()
+
+    async def go():
+        client = VerifierClient(f"127.0.0.1:{port}")
+        try:
+            return await generate(client, drafter, tokenizer, prompt, max_tokens=20, draft_tokens=3,
+                                  resilience=Resilience(wait_deadline_s=120), on_status=statuses.append)
+        finally:
+            await client.close()
+
+    try:
+        result = run(go())
+    finally:
+        starting.join()
+        drafter.close()
+    assert result.token_ids == reference_greedy(tuple(prompt), 20) and result.unverified_tokens == 0
+    assert result.reconnects == 0
+    assert len(statuses) == 2
+    assert "unreachable" in statuses[0] and "waiting up to 120s" in statuses[0]
+    assert "reached after" in statuses[1] and "reopened" not in statuses[1]
 
 
 def test_wait_policy_gives_up_at_its_deadline(make_server, tokenizer):
