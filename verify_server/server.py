@@ -113,7 +113,10 @@ async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if loader in done:
-        loader.result()  # a load failure ends the process with its error
+        if loader.exception() is not None:  # a load failure ends the process with its error, the port closed first
+            waiter.cancel()
+            await server.stop(grace=0)
+            loader.result()
         print(f"SLED verify server ready on {config.host}:{port} (target {server.target.name})", flush=True)
         await waiter
     else:

@@ -143,3 +143,17 @@ def test_server_stops_gracefully_on_sigterm(server_process):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert "shutting down" in log.read_text()
+
+
+@pytest.mark.parametrize("setting, message", [
+    (["--target", "/nowhere/target.gguf"], "target model /nowhere/target.gguf does not exist"),
+    (["--device", "cuda:99"], "device 'cuda:99' asked for, but"),
+])
+def test_a_server_that_cannot_load_its_target_says_why_and_exits_cleanly(setting, message):
+    # The port is open (NOT_SERVING) while the target loads: a failed load closes it before the loop ends, where
+    # it once left grpc's own 'Event loop is closed' traceback after the message.
+    done = subprocess.run([BIN / "sled-server", "--port", str(free_port()), *setting], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"sled-server: {message}" in done.stderr
+    assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr

@@ -65,3 +65,18 @@ def test_random_target_shapes_from_names_and_json(tmp_path):
 
 def test_a_random_target_takes_a_tokenizer_folder(tmp_path):
     assert load_config(None, target="random:llama-1b", tokenizer=str(tmp_path)).tokenizer == str(tmp_path)
+
+
+def test_a_cuda_device_without_cuda_is_a_clear_error():
+    import torch
+
+    from verify_server.model_loader import resolve_device
+
+    if torch.cuda.is_available():
+        bad = f"cuda:{torch.cuda.device_count()}"
+        with pytest.raises(ValueError, match=f"only {torch.cuda.device_count()} CUDA GPU"):
+            resolve_device(bad)
+    else:
+        with pytest.raises(ValueError, match="device 'cuda' asked for, but .*use cpu or auto"):
+            resolve_device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
