@@ -290,18 +290,20 @@ class _Generation:
         if err.code not in TRANSIENT:
             raise err
         now = time.monotonic()
+        # a server that cannot be reached, or one that turns sessions away for now (full, shutting down)
+        state = "unreachable" if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "unavailable"
         if self.policy.fallback == "fail":
-            raise VerifyError(err.code, f"verify server {self._address()} unreachable ({err.message}); "
+            raise VerifyError(err.code, f"verify server {self._address()} {state} ({err.message}); "
                                         "fallback policy is fail")
         if self.outage_since is None:
             self.outage_since = began
             then = (f"waiting up to {self.policy.wait_deadline_s:g}s for it" if self.policy.fallback == "wait"
                     else "going on with the drafter alone, its tokens marked unverified, until it is back")
-            self._status(f"verify server {self._address()} unreachable ({err.code}: {err.message}); {then}")
+            self._status(f"verify server {self._address()} {state} ({err.code}: {err.message}); {then}")
         waited = now - self.outage_since
         left = self.policy.wait_deadline_s - waited
         if self.policy.fallback == "wait" and left <= 0:
-            raise VerifyError("DEADLINE_EXCEEDED", f"verify server {self._address()} unreachable for {waited:.1f}s, "
+            raise VerifyError("DEADLINE_EXCEEDED", f"verify server {self._address()} {state} for {waited:.1f}s, "
                                                    f"past the wait deadline of {self.policy.wait_deadline_s:g}s: "
                                                    f"{err.message}")
         self.next_attempt = now + (min(self.backoff, left) if self.policy.fallback == "wait" else self.backoff)
