@@ -258,9 +258,10 @@ class _Generation:
         if self.opens:
             self.result.reconnects += 1
         if self.outage_since is not None:
-            after = f"verify server {self._address()} reached after {time.monotonic() - self.outage_since:.1f}s"
-            self._status(f"{after}: the session reopened with its whole context ({len(self.context)} tokens)"
-                         if self.opens else after)
+            after = f"after {time.monotonic() - self.outage_since:.1f}s"
+            self._status(f"verify server {self._address()} reopened the session {after} with its whole context "
+                         f"({len(self.context)} tokens)" if self.opens
+                         else f"verify server {self._address()} opened the session {after}")
         self.opens += 1
         self.k = min(self.k, self.session.opened.max_draft_tokens)
         if self.adaptive is not None:

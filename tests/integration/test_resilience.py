@@ -122,7 +122,7 @@ def test_wait_policy_reconnects_to_a_restarted_server(make_server, tokenizer, re
     assert result.reconnects >= 1 and result.unverified_tokens == 0
     assert result.token_ids == reference_greedy(tuple(prompt), 60)
     assert "unreachable" in statuses[0] and "waiting up to 60s" in statuses[0]
-    assert "reached after" in statuses[-1] and "reopened with its whole context" in statuses[-1]
+    assert "reopened the session after" in statuses[-1] and "with its whole context" in statuses[-1]
 
 
 def test_wait_policy_waits_for_a_server_not_yet_up_and_says_so(make_server, tokenizer, reference_greedy):
@@ -149,7 +149,7 @@ def test_wait_policy_waits_for_a_server_not_yet_up_and_says_so(make_server, toke
     assert result.reconnects == 0
     assert len(statuses) == 2
     assert "unreachable" in statuses[0] and "waiting up to 120s" in statuses[0]
-    assert "reached after" in statuses[1] and "reopened" not in statuses[1]
+    assert "opened the session after" in statuses[1] and "reopened" not in statuses[1]
 
 
 def test_wait_policy_gives_up_at_its_deadline(make_server, tokenizer):
