@@ -307,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stats = asyncio.run(_generate(args))
     except VerifyError as err:
-        unreachable = err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
-        print(f"sled-edge: {'' if unreachable else 'the server refused: '}{err}", file=sys.stderr)
+        print(f"sled-edge: {'' if err.unreachable else 'the server refused: '}{err}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as err:
         print(f"sled-edge: {err}", file=sys.stderr)

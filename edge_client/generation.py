@@ -292,7 +292,7 @@ class _Generation:
             raise err
         now = time.monotonic()
         # a server that cannot be reached, or one that turns sessions away for now (full, shutting down)
-        state = "unreachable" if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "unavailable"
+        state = "unreachable" if err.unreachable else "unavailable"
         if self.policy.fallback == "fail":
             raise VerifyError(err.code, f"verify server {self._address()} {state} ({err.message}); "
                                         "fallback policy is fail")

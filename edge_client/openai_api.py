@@ -152,7 +152,7 @@ class OpenAIServer:
             except ValueError as err:
                 return _error(400, str(err))
             except VerifyError as err:
-                return _error(503 if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else 502,
+                return _error(503 if err.unreachable else 502,
                               f"verify server: {err}", "server_error")
             choice = ({"index": 0, "message": {"role": "assistant", "content": c.text}} if chat
                       else {"index": 0, "text": c.text, "logprobs": None})

@@ -26,6 +26,11 @@ class VerifyError(Exception):
         self.code = code
         self.message = message
 
+    @property
+    def unreachable(self) -> bool:
+        """The server could not be reached (or did not answer in time), as against a refusal."""
+        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> "VerifyError":
         code, details = err.code().name, err.details() or ""

@@ -27,6 +27,9 @@ QUESTIONS = [
 
 async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name: str, offset: int = 0,
                        temperature: float = 0.0, log=print) -> dict:
+    if requests < 1 or max_tokens < 1 or offset < 0:
+        raise ValueError(f"need requests >= 1, max_tokens >= 1 and offset >= 0, got {requests}, {max_tokens}, {offset}")
+    SamplingParams(temperature=temperature)  # checks it before the drafter loads
     tokenizer = Tokenizer(config.tokenizer or config.draft_model)
     drafter = create_drafter(config.drafter, DrafterOptions(
         model_path=config.draft_model, onnx_model=config.onnx_model, threads=config.threads,
@@ -84,7 +87,7 @@ def main_workload(args) -> int:
         summary = asyncio.run(run_workload(config, args.requests, args.max_tokens, args.name, args.offset,
                                            args.temperature, log=lambda m: print(m, flush=True)))
     except VerifyError as err:
-        print(f"sled-edge workload: the server refused: {err}", file=sys.stderr)
+        print(f"sled-edge workload: {'' if err.unreachable else 'the server refused: '}{err}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as err:
         print(f"sled-edge workload: {err}", file=sys.stderr)

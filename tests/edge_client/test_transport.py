@@ -21,3 +21,10 @@ def test_other_refusals_keep_their_code_and_message():
     assert err.code not in TRANSIENT
     err = VerifyError.from_rpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "token id 99999 out of range"))
     assert (err.code, err.message) == ("INVALID_ARGUMENT", "token id 99999 out of range")
+
+
+def test_unreachable_tells_a_lost_link_from_a_refusal():
+    assert VerifyError("UNAVAILABLE", "connection refused").unreachable
+    assert VerifyError("DEADLINE_EXCEEDED", "no Opened from the server within 30.0s").unreachable
+    assert not VerifyError("RESOURCE_EXHAUSTED", "KV cache full").unreachable
+    assert not VerifyError("INVALID_ARGUMENT", "token id 99999 out of range").unreachable
