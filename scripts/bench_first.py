@@ -24,7 +24,7 @@ from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
+from scripts.benchutil import ServerProcess, counts_arg, machine, publish  # noqa: E402
 
 
 def first_table(rows: list[dict], counts: list[int]) -> str:
@@ -94,7 +94,8 @@ async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", default="1,4,16", help="comma-separated concurrent session counts (default 1,4,16)")
+    ap.add_argument("--sessions", type=counts_arg, default="1,4,16",
+                    help="comma-separated concurrent session counts (default 1,4,16)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per session (default 64)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="K for the llama.cpp drafter (default 4)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
@@ -107,12 +108,7 @@ def main() -> int:
     ap.add_argument("--markdown", metavar="FILE", default=str(ROOT / "docs" / "benchmarks.md"),
                     help="markdown file whose 'First figures' section is rewritten (default docs/benchmarks.md)")
     args = ap.parse_args()
-    try:
-        counts = [int(x) for x in args.sessions.split(",")]
-    except ValueError:
-        ap.error(f"--sessions takes comma-separated whole numbers, got {args.sessions!r}")
-    if min(counts) < 1:
-        ap.error(f"--sessions counts must be at least 1, got {args.sessions!r}")
+    counts = args.sessions
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     rows = []

@@ -94,8 +94,8 @@ from edge_client.generation import EMPTY_AFTER_MISS, generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.transport import VerifierClient, fetch_info  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import (ServerProcess, cpu_counters, device_tokenizer, gpu_name, machine, publish,  # noqa: E402
-                               stolen_share)
+from scripts.benchutil import (ServerProcess, counts_arg, cpu_counters, device_tokenizer, gpu_name, machine,  # noqa: E402
+                               publish, stolen_share)
 from scripts.linkemu import LinkProcess, LinkSpec  # noqa: E402
 
 
@@ -1104,7 +1104,7 @@ def main() -> int:
     from tqdm import tqdm
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--devices", default="1,4,16,32", help="device counts (default 1,4,16,32)")
+    ap.add_argument("--devices", type=counts_arg, default="1,4,16,32", help="device counts (default 1,4,16,32)")
     ap.add_argument("--slo-ms", type=float, default=150.0, help="p95 inter-token latency bound for capacity (default 150)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     ap.add_argument("--seconds", type=float, default=8.0,
@@ -1164,7 +1164,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "runs" / "bench_system"), help="where PNG plots go")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()
-    counts = [int(x) for x in args.devices.split(",")]
+    counts = args.devices
     top = max(counts)
     random_target = bool(args.target and args.target.startswith("random:"))
     match_source = None
@@ -1200,6 +1200,12 @@ def main() -> int:
         ap.error("--seconds must be positive and --warmup-s not negative")
     if args.max_tokens < 1:
         ap.error("--max-tokens must be positive")
+    if not args.slo_ms > 0:
+        ap.error("--slo-ms must be positive")
+    if args.recordings < 1 or args.draft_tokens < 1:
+        ap.error("--recordings and --draft-tokens must be at least 1")
+    if not 0 <= args.max_wait_ms < 60_000:
+        ap.error("--max-wait-ms must be in [0, 60000)")
     if args.draft_match is not None and not 0 <= args.draft_match <= 1:
         ap.error("--draft-match must be in [0, 1]")
     if args.device_threads < 1:

@@ -105,6 +105,19 @@ class _CumulativeDecoder:
         return new
 
 
+def counts_arg(text: str) -> list[int]:
+    """An argparse type: comma-separated whole numbers, each at least 1 (device or session counts)."""
+    import argparse
+
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated whole numbers, got {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be at least 1, got {text!r}")
+    return counts
+
+
 def device_tokenizer(folder: str | None = None):
     """The device's llama.cpp tokenizer, or the same vocabulary through transformers where llama.cpp is missing or
     a tokenizer folder is given (exported from the GGUF by scripts/export_tokenizer.py)."""

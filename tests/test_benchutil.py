@@ -1,12 +1,17 @@
 """scripts/benchutil.py: a benchmark killed with SIGTERM still runs its `finally` blocks (which stop its server);
-rewriting a docs section names the hand notes it drops."""
+rewriting a docs section names the hand notes it drops; device counts are checked."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from scripts.benchutil import counts_arg
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,3 +59,10 @@ def test_rewriting_a_section_names_the_hand_notes_it_drops(tmp_path, capsys):
     md.write_text("## A\n\n" + note + "\n\n## B\n\n" + note + "\n")
     assert replace_section(md, "## A", "## A\n\n" + note + "\n") == []
     assert md.read_text().count(note) == 2
+
+
+def test_device_counts_are_positive_whole_numbers():
+    assert counts_arg("1,4,16,32") == [1, 4, 16, 32] and counts_arg("8") == [8]
+    for bad in ("", "0", "1,-4", "a,b", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            counts_arg(bad)
