@@ -67,6 +67,8 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()
+    if args.max_tokens < 1 or args.draft_tokens < 1:
+        ap.error("--max-tokens and --draft-tokens must be at least 1")
     work = Path(tempfile.mkdtemp(prefix="sled-drafters-"))
     from scripts.requantize_gguf import requantize
 

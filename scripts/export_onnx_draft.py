@@ -110,7 +110,7 @@ def export(source: str | None, output: Path, layers: int | None, int8: bool, log
         target = load_target(source, torch.device("cpu"), torch.float32)
     model = target.model
     total = model.config.num_hidden_layers
-    n = layers or total
+    n = total if layers is None else layers
     if not 1 <= n <= total:
         raise ValueError(f"--layers must be in 1..{total}, got {n}")
     draft = DraftLM(model, n).eval()

@@ -199,6 +199,8 @@ def main() -> int:
     ap.add_argument("--link", metavar="SPEC", help="emulated link per device, e.g. delay_ms=20,jitter_ms=5,rate_mbit=50")
     ap.add_argument("--netns", action="store_true", help="run each device in its own network namespace (root)")
     args = ap.parse_args()
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be positive, got {args.timeout:g}")
     try:
         spec = LinkSpec.parse(args.link) if args.link else None
     except ValueError as err:

@@ -1,5 +1,7 @@
 """scripts/simulate.py's plan of the compose services, without running them (no model needed)."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,10 @@ def test_a_signal_that_arrives_inside_a_destructor_still_stops_the_run(monkeypat
     Freed()  # freed at once: its __del__ takes the signal, and whatever it raised would be dropped
     with pytest.raises(KeyboardInterrupt, match="SIGINT"):
         simulate.pause(5)
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
+def test_a_timeout_that_is_not_positive_is_a_usage_error(timeout):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--timeout", timeout],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--timeout must be positive" in done.stderr

@@ -63,3 +63,13 @@ def test_missing_model_is_a_clear_error(tmp_path):
         create_drafter("onnx", DrafterOptions())
     with pytest.raises(FileNotFoundError, match="does not exist"):
         create_drafter("onnx", DrafterOptions(onnx_model=str(tmp_path / "none.onnx")))
+
+
+@pytest.mark.parametrize("layers", [0, -1, 31])
+def test_a_layer_count_outside_the_model_is_refused_before_anything_is_written(target, tmp_path, layers):
+    from scripts.export_onnx_draft import export
+
+    # 0 once counted as "not given" and exported all 30 layers
+    with pytest.raises(ValueError, match=f"--layers must be in 1..30, got {layers}"):
+        export(None, tmp_path / "draft.onnx", layers, False, log=lambda m: None, target=target)
+    assert list(tmp_path.iterdir()) == []
