@@ -107,7 +107,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="port of the local API, 0 picks a free one (default 8080)")
     p.add_argument("--max-concurrent", type=int, help="local requests generating at once (default 4)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
 
 
 def _add_workload(sub) -> None:

@@ -52,7 +52,7 @@ class EdgeConfig:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
         check_server(self.server)
         for name in ("context_size", "max_concurrent", "default_max_tokens", "wait_deadline_s", "round_timeout_s"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be at least 1, got {self.max_draft_tokens}")

@@ -75,7 +75,7 @@ class Resilience:
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
         for name in ("wait_deadline_s", "round_timeout_s", "backoff_initial_s", "backoff_max_s"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 

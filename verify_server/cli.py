@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernel: sdpa (on CUDA the short segments of a step in one padded call per layer; on "
                         "CPU one call per segment, short ones as two batched matmuls), segments (one call per segment "
                         "on CUDA too) or the plain reference (default sdpa)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(serve(config, attention=args.attention))
-    except (FileNotFoundError, ValueError) as err:
+    except (OSError, ValueError) as err:
         print(f"sled-server: {err}", file=sys.stderr)
         return 1
     return 0

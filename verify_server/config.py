@@ -53,7 +53,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
         for name in ("max_sessions", "max_seq_len", "max_batch_sessions", "max_batch_tokens",
@@ -63,8 +63,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if not 0 <= self.max_wait_ms < 60_000:  # also refuses NaN
+            raise ValueError(f"max_wait_ms must be in [0, 60000) ms, got {self.max_wait_ms}")
         if self.max_batch_tokens < self.max_draft_tokens + 1:
             raise ValueError(
                 f"max_batch_tokens ({self.max_batch_tokens}) must hold one full draft "

@@ -43,8 +43,12 @@ class Engine:
         mcfg = target.model.config
         head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
         param = next(target.model.parameters())
-        self.kv = KVCache(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
-                          config.max_seq_len, head_dim, param.dtype, param.device)
+        context = getattr(mcfg, "max_position_embeddings", None)
+        if context and config.max_seq_len > context:
+            raise ValueError(f"max_seq_len {config.max_seq_len} is past the target's context length {context} "
+                             "(its max_position_embeddings)")
+        self.kv = KVCache.create(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
+                                 config.max_seq_len, head_dim, param.dtype, param.device)
         self.runner = ModelRunner(target.model, self.kv, attention, config.linear, config.fused, config.fused_max_tokens)
         self._kernels = self.runner.kernels()
         self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_tokens)

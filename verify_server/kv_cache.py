@@ -24,6 +24,17 @@ class KVCache:
         self.max_seq_len = max_seq_len
         self._free = list(range(num_slots - 1, -1, -1))
 
+    @classmethod
+    def create(cls, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> "KVCache":
+        """A cache, or a ValueError that says what it needed where the device's memory cannot hold it."""
+        try:
+            return cls(num_layers, num_slots, num_kv_heads, max_seq_len, head_dim, dtype, device)
+        except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+            size = 2 * num_layers * num_slots * num_kv_heads * max_seq_len * head_dim * dtype.itemsize
+            raise ValueError(f"the KV cache of {num_slots} sessions of {max_seq_len} tokens ({size / 2**30:.1f} GiB) "
+                             f"does not fit in {device}'s memory: lower max_sessions or max_seq_len") from None
+
     @property
     def num_free(self) -> int:
         return len(self._free)

@@ -60,7 +60,10 @@ class VerifyServer:
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as err:  # grpc raises where it once returned 0
+            raise OSError(f"cannot listen on {address}: {err}") from None
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         await self.server.start()

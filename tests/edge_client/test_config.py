@@ -65,3 +65,13 @@ def test_bad_settings_are_clear_errors(tmp_path, text, needle):
 
 def test_defaults_are_valid():
     assert EdgeConfig().drafter == "llama-cpp"
+
+
+@pytest.mark.parametrize("setting", ["wait_deadline_s", "round_timeout_s"])
+def test_a_nan_deadline_is_refused(setting):
+    from edge_client.generation import Resilience
+
+    with pytest.raises(ValueError, match=setting):
+        EdgeConfig(**{setting: float("nan")})
+    with pytest.raises(ValueError, match=setting):
+        Resilience(**{setting: float("nan")})

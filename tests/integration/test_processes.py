@@ -148,10 +148,13 @@ def test_server_stops_gracefully_on_sigterm(server_process):
 @pytest.mark.parametrize("setting, message", [
     (["--target", "/nowhere/target.gguf"], "target model /nowhere/target.gguf does not exist"),
     (["--device", "cuda:99"], "device 'cuda:99' asked for, but"),
+    (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1:"),
+    (["--max-seq-len", "100000"], "max_seq_len 100000 is past the target's context length 8192"),
 ])
-def test_a_server_that_cannot_load_its_target_says_why_and_exits_cleanly(setting, message):
+def test_a_server_that_cannot_start_says_why_and_exits_cleanly(setting, message):
     # The port is open (NOT_SERVING) while the target loads: a failed load closes it before the loop ends, where
-    # it once left grpc's own 'Event loop is closed' traceback after the message.
+    # it once left grpc's own 'Event loop is closed' traceback after the message. An address it cannot bind was a
+    # RuntimeError's traceback.
     done = subprocess.run([BIN / "sled-server", "--port", str(free_port()), *setting], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1, done.stderr

@@ -502,3 +502,12 @@ def test_a_step_floor_pads_each_step_to_a_gpus_profile_and_changes_no_verdict(ti
     assert bare.step_ms < floor_ms / 2  # the tiny target alone is far quicker: the floor is what was measured
     # The cost model the devices' controllers read sees the floor's slope (the warm-up's steps of 1-16 tokens).
     assert 4.0 < token_ms < 6.0
+
+
+def test_a_max_seq_len_past_the_targets_context_is_refused(tiny):
+    from verify_server.config import ServerConfig
+    from verify_server.engine import Engine
+
+    context = tiny.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_seq_len {context + 1} is past the target's context length {context}"):
+        Engine(ServerConfig(max_seq_len=context + 1, max_sessions=1), tiny)

@@ -80,3 +80,10 @@ def test_a_cuda_device_without_cuda_is_a_clear_error():
         with pytest.raises(ValueError, match="device 'cuda' asked for, but .*use cpu or auto"):
             resolve_device("cuda")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("setting", ["max_wait_ms", "idle_timeout_s"])
+def test_a_nan_time_setting_is_refused(setting):
+    # NaN passed the old `< 0` and `<= 0` checks; a NaN batching window left steps to wait for full batches
+    with pytest.raises(ValueError, match=setting):
+        ServerConfig(**{setting: float("nan")})

@@ -74,3 +74,9 @@ def test_batched_attention_matches_reference_over_a_poisoned_cache(lengths):
     assert torch.allclose(ATTENTION["sdpa"][1](q, k, v, segments, 0.35, attention_plan(segments, "cpu", 3)), want,
                           atol=1e-5)
     assert torch.allclose(ATTENTION["sdpa"][1](q, k, v, segments, 0.35, plan), want, atol=1e-5)
+
+
+def test_a_cache_too_large_for_memory_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"KV cache of 1000000 sessions of 100000 tokens \(.* GiB\) does not fit"):
+        KVCache.create(1000, 1_000_000, 8, 100_000, 128, torch.float32, torch.device("cpu"))
+    assert KVCache.create(2, 2, 1, 8, 4, torch.float32, torch.device("cpu")).num_free == 2
