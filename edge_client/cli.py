@@ -259,8 +259,13 @@ async def _generate(args) -> dict:
     from .transport import VerifierClient
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.draft_tokens < 0:
-        raise ValueError("--draft-tokens must be >= 0")
+    for flag, value, least in (("--draft-tokens", args.draft_tokens, 0), ("--gpu-layers", args.gpu_layers, 0),
+                               ("--max-draft-tokens", args.max_draft_tokens, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    resilience = Resilience(fallback=args.fallback, wait_deadline_s=args.wait_deadline,
+                            round_timeout_s=args.round_timeout)
     tokenizer = Tokenizer(args.tokenizer or args.draft_model)
     drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, onnx_model=args.onnx_model,
                                                           threads=args.threads, gpu_layers=args.gpu_layers,
@@ -270,9 +275,6 @@ async def _generate(args) -> dict:
         text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
     client = VerifierClient(args.server, args.auth_token)
-
-    resilience = Resilience(fallback=args.fallback, wait_deadline_s=args.wait_deadline,
-                            round_timeout_s=args.round_timeout)
 
     def show(piece: str, verified: bool) -> None:
         sys.stdout.write(piece)
