@@ -12,7 +12,7 @@ from edge_client.cli import main
     (["--gpu-layers", "-1"], "--gpu-layers must be at least 0, got -1"),
     (["--draft-tokens", "-1"], "--draft-tokens must be at least 0, got -1"),
     (["--seed", "-1"], "seed must be in [0, 2**63), got -1"),
-    (["--wait-deadline", "nan"], "wait_deadline_s must be positive"),
+    (["--wait-deadline", "nan"], "wait_deadline_s must be positive, got nan"),
 ])
 def test_bad_generate_settings_are_one_line_errors(flags, message, capsys):
     # a draft model that does not exist: reaching the model load would say "does not exist" instead
