@@ -193,7 +193,8 @@ class _Generation:
         self.pieces: list[str] = []
         self.session: RemoteSession | None = None
         self.opens = 0
-        self.outage_since: float | None = None  # time.monotonic() when the server was last found unreachable
+        # time.monotonic() at the start of the attempt that found the server gone; None while it answers
+        self.outage_since: float | None = None
         self.next_attempt = 0.0
         self.on_status = on_status
         self.backoff = resilience.backoff_initial_s
@@ -250,7 +251,6 @@ class _Generation:
         msg = codec.open_message(self.context, sampling, self.max_tokens - len(self.result.token_ids),
                                  self.tokenizer.fingerprint, self.request_stops, self.client_id,
                                  self.client.auth_token or "", self.server_decodes)
-        self.attempt_at = time.monotonic()
         # The first attempt fails at once where the server is down, so the outage is told at once; the attempts
         # after it, under the wait policy, wait for the server to come up (bounded by _open_timeout).
         self.session = await self.client.open(msg, timeout=self._open_timeout(), wait_for_ready=(
