@@ -72,9 +72,10 @@ def _add_generate(sub) -> None:
                    help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
                         "drafter alone marking tokens unverified (local), or fail at once. Default wait")
     p.add_argument("--wait-deadline", type=float, default=120.0, metavar="S",
-                   help="seconds the wait policy keeps reconnecting before giving up (default 120)")
+                   help="seconds the wait policy waits for the server, from the first failed attempt, before giving "
+                        "up (default 120)")
     p.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
-                   help="deadline of one round, Draft to Verdict (default 30)")
+                   help="deadline of one round, Draft to Verdict, and of one Open (default 30)")
     p.add_argument("--stats-json", metavar="FILE", help="write token ids, text and statistics as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
 
