@@ -83,7 +83,10 @@ class VerifyServer:
         self.engine = engine
         self.servicer.engine = engine
         if cfg.metrics_port:
-            engine.metrics.serve(cfg.metrics_port, cfg.host)
+            try:
+                engine.metrics.serve(cfg.metrics_port, cfg.host)
+            except OSError as err:  # the engine is stopped with the server (serve)
+                raise OSError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         kernels = engine.kernels()

@@ -160,3 +160,18 @@ def test_a_server_that_cannot_start_says_why_and_exits_cleanly(setting, message)
     assert done.returncode == 1, done.stderr
     assert f"sled-server: {message}" in done.stderr
     assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr
+
+
+def test_a_metrics_port_in_use_is_named_in_the_error():
+    import socket
+
+    port, metrics = free_port(), socket.socket()
+    with metrics:
+        metrics.bind(("127.0.0.1", 0))
+        metrics.listen()
+        taken = metrics.getsockname()[1]
+        done = subprocess.run([BIN / "sled-server", "--port", str(port), "--metrics-port", str(taken), "--fused", "off"],
+                              capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr
+    assert f"sled-server: cannot serve metrics on 127.0.0.1:{taken}: Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
