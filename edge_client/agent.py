@@ -17,6 +17,7 @@ from .transport import VerifierClient
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Completion:
     result: GenerationResult

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stats = asyncio.run(_generate(args))
     except VerifyError as err:
-        print(f"sled-edge: {'' if err.unreachable else 'the server refused: '}{err}", file=sys.stderr)
+        print(f"sled-edge: {err.summary}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as err:
         print(f"sled-edge: {err}", file=sys.stderr)

@@ -281,9 +281,8 @@ class _Generation:
         at most and never past the wait deadline, which counts from the start of the first attempt that failed."""
         if self.policy.fallback != "wait":
             return self.policy.round_timeout_s
-        now = time.monotonic()
-        left = self.policy.wait_deadline_s - (now - (self.outage_since if self.outage_since is not None else now))
-        return max(MIN_OPEN_TIMEOUT_S, min(self.policy.round_timeout_s, left))
+        waited = 0.0 if self.outage_since is None else time.monotonic() - self.outage_since
+        return max(MIN_OPEN_TIMEOUT_S, min(self.policy.round_timeout_s, self.policy.wait_deadline_s - waited))
 
     def outage(self, err: VerifyError, began: float) -> None:
         """The server is unreachable since `began` (the start of the attempt that failed, unless an outage is already

@@ -31,6 +31,11 @@ class VerifyError(Exception):
         """The server could not be reached (or did not answer in time), as against a refusal."""
         return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
+    @property
+    def summary(self) -> str:
+        """The error as a command line reports it: a refusal says so, a lost link speaks for itself."""
+        return str(self) if self.unreachable else f"the server refused: {self}"
+
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> "VerifyError":
         code, details = err.code().name, err.details() or ""

@@ -87,7 +87,7 @@ def main_workload(args) -> int:
         summary = asyncio.run(run_workload(config, args.requests, args.max_tokens, args.name, args.offset,
                                            args.temperature, log=lambda m: print(m, flush=True)))
     except VerifyError as err:
-        print(f"sled-edge workload: {'' if err.unreachable else 'the server refused: '}{err}", file=sys.stderr)
+        print(f"sled-edge workload: {err.summary}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as err:
         print(f"sled-edge workload: {err}", file=sys.stderr)
