@@ -59,7 +59,7 @@ class Agent:
     def __init__(self, config: EdgeConfig):
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer or config.draft_model)
-        self.client = VerifierClient(config.server, config.auth_token)
+        self.client = VerifierClient(config.server, config.auth_token, tls=config.channel_tls())
         self.resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                                      round_timeout_s=config.round_timeout_s)
         self._options = DrafterOptions(model_path=config.draft_model, onnx_model=config.onnx_model,

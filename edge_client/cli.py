@@ -24,6 +24,32 @@ def _add_server(p) -> None:
                    help="verify server address (default 127.0.0.1:50051)")
 
 
+def _add_tls(p, overrides: bool = False) -> None:
+    """The TLS flags; `overrides`: they override a config file's settings (serve, workload), so --no-tls exists."""
+    if overrides:
+        p.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None,
+                       help="reach the verify server over TLS (default off, or the config's tls)")
+    else:
+        p.add_argument("--tls", action="store_true",
+                       help="reach the verify server over TLS, trusting the system's CA certificates or --tls-ca")
+    p.add_argument("--tls-ca", metavar="FILE",
+                   help="PEM CA certificates to trust for the server's certificate (implies --tls)")
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the server's certificate carries, where the address in --server does not (an IP "
+                        "address)")
+
+
+def _channel_tls(args):
+    """generate's and info's TLS flags as the client's TLS settings, or None for a plain connection."""
+    from .transport import TLS
+
+    if not (args.tls or args.tls_ca):
+        if args.tls_server_name:
+            raise ValueError("--tls-server-name applies to TLS: give --tls (or --tls-ca)")
+        return None
+    return TLS.load(args.tls_ca, args.tls_server_name)
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -68,6 +94,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True,
                    help="llama.cpp flash attention: faster drafting, slightly different drafter logits (default on)")
     p.add_argument("--auth-token", help="bearer token the server requires, if any")
+    _add_tls(p)
     p.add_argument("--fallback", choices=["wait", "local", "fail"], default="wait",
                    help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
                         "drafter alone marking tokens unverified (local), or fail at once. Default wait")
@@ -105,6 +132,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
                    help="llama.cpp flash attention (default on)")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
+    _add_tls(p, overrides=True)
     p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="port of the local API, 0 picks a free one (default 8080)")
     p.add_argument("--max-concurrent", type=int, help="local requests generating at once (default 4)")
@@ -125,6 +153,7 @@ def _add_workload(sub) -> None:
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model")
     p.add_argument("--threads", type=int, help="drafter threads")
+    _add_tls(p, overrides=True)
     p.add_argument("--requests", type=int, default=4, help="requests to run (default 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
@@ -143,6 +172,7 @@ def _add_info(sub) -> None:
     _add_server(p)
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="how long to wait for the server's answer (default 5)")
+    _add_tls(p)
     p.add_argument("--json", action="store_true", help="print the answer as JSON (protobuf field names)")
 
 
@@ -205,7 +235,10 @@ def _run_info(args) -> int:
         print("sled-edge info: --timeout must be > 0", file=sys.stderr)
         return 2
     try:
-        info = asyncio.run(fetch_info(args.server, args.timeout))
+        info = asyncio.run(fetch_info(args.server, args.timeout, _channel_tls(args)))
+    except ValueError as err:
+        print(f"sled-edge info: {err}", file=sys.stderr)
+        return 2
     except VerifyError as err:
         if err.code == "DEADLINE_EXCEEDED":  # nothing listens there, or nothing reaches it
             print(f"sled-edge info: no answer from {args.server} within {args.timeout:g}s ({err})", file=sys.stderr)
@@ -267,6 +300,7 @@ async def _generate(args) -> dict:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     resilience = Resilience(fallback=args.fallback, wait_deadline_s=args.wait_deadline,
                             round_timeout_s=args.round_timeout)
+    tls = _channel_tls(args)
     tokenizer = Tokenizer(args.tokenizer or args.draft_model)
     drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, onnx_model=args.onnx_model,
                                                           threads=args.threads, gpu_layers=args.gpu_layers,
@@ -275,7 +309,7 @@ async def _generate(args) -> dict:
     if args.chat:
         text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
-    client = VerifierClient(args.server, args.auth_token)
+    client = VerifierClient(args.server, args.auth_token, tls=tls)
 
     def show(piece: str, verified: bool) -> None:
         sys.stdout.write(piece)

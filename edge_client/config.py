@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from .generation import FALLBACKS
+from .transport import TLS, read_ca
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class EdgeConfig:
     flash_attn: bool = True
     context_size: int = 4096  # drafter context
     auth_token: str | None = None  # the verify server's bearer token
+    # TLS to the verify server (on when tls is true or tls_ca is set): the PEM CA certificates to trust (None: the
+    # system's), and the name the server's certificate carries where the server's address does not (an IP address).
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_server_name: str | None = None
     fallback: str = "wait"  # wait | local | fail while the server is unreachable
     wait_deadline_s: float = 120.0
     round_timeout_s: float = 30.0
@@ -64,6 +70,18 @@ class EdgeConfig:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if self.drafter == "onnx" and not self.onnx_model:
             raise ValueError("the onnx drafter needs onnx_model (a file made by scripts/export_onnx_draft.py)")
+        if self.tls_server_name is not None and not self.uses_tls:
+            raise ValueError("tls_server_name applies to TLS: set tls: true (or tls_ca)")
+        if self.tls_ca is not None:
+            read_ca(self.tls_ca)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.tls_ca is not None
+
+    def channel_tls(self) -> TLS | None:
+        """How the device reaches its server: over TLS, or (None) a plain connection."""
+        return TLS.load(self.tls_ca, self.tls_server_name) if self.uses_tls else None
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(EdgeConfig)}

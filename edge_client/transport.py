@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -46,13 +49,38 @@ class VerifyError(Exception):
         return cls(code, details)
 
 
+def read_ca(path: str | Path) -> bytes:
+    """The PEM CA certificates in `path`, checked the way Python's own TLS reads them: a missing file or one
+    without a certificate is a ValueError that names it (gRPC would only fail each handshake)."""
+    try:
+        ssl.create_default_context(cafile=str(path))
+        return Path(path).read_bytes()
+    except (OSError, ssl.SSLError) as err:
+        raise ValueError(f"tls_ca {path}: cannot read CA certificates from it ({err.strerror or err})") from None
+
+
+@dataclass(frozen=True)
+class TLS:
+    """A verify server reached over TLS: the PEM CA certificates to trust (None: the system's) and the name its
+    certificate must carry where that is not the host of the address (a server reached by IP address)."""
+
+    ca: bytes | None = None
+    server_name: str | None = None
+
+    @classmethod
+    def load(cls, ca_file: str | Path | None = None, server_name: str | None = None) -> "TLS":
+        return cls(read_ca(ca_file) if ca_file is not None else None, server_name or None)
+
+
 class VerifierClient:
-    def __init__(self, address: str, auth_token: str | None = None, own_connection: bool = False):
+    def __init__(self, address: str, auth_token: str | None = None, own_connection: bool = False,
+                 tls: TLS | None = None):
         """own_connection: a TCP connection of this client's own, not shared with other channels of this process to
-        the same address (gRPC shares them by default): each replayed device of a benchmark over its own link."""
+        the same address (gRPC shares them by default): each replayed device of a benchmark over its own link.
+        tls: reach the server over TLS (None: a plain connection, as the server listens by default)."""
         self.address = address
         self.auth_token = auth_token
-        self.channel = grpc.aio.insecure_channel(address, options=[
+        options = [
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 30_000),
             # gRPC's own reconnect backoff grows to 120 s by default: a server back after a long outage would be
@@ -60,7 +88,13 @@ class VerifierClient:
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 4_000),
             *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
-        ])
+        ]
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self.channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls.ca), options=options)
         self.stub = pb_grpc.VerifierStub(self.channel)
         # Closed sessions whose stream end is still being read (RemoteSession.close); close() waits for them.
         self._draining: set[asyncio.Task] = set()
@@ -84,9 +118,9 @@ class VerifierClient:
         await self.channel.close()
 
 
-async def fetch_info(address: str, timeout: float = 10.0) -> pb.ServerInfo:
+async def fetch_info(address: str, timeout: float = 10.0, tls: TLS | None = None) -> pb.ServerInfo:
     """One server's Info over a channel of its own (`sled-edge info`, the benchmarks)."""
-    client = VerifierClient(address)
+    client = VerifierClient(address, tls=tls)
     try:
         return await client.info(timeout=timeout)
     finally:

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"they are not prefilled again; 0 turns it off (default {d.prefix_cache_tokens})")
     p.add_argument("--idle-timeout-s", type=float, help=f"free a session after this many idle seconds (default {d.idle_timeout_s:g})")
     p.add_argument("--auth-token", help="require this bearer token in every Open (default: none)")
+    p.add_argument("--tls-cert", metavar="FILE",
+                   help="PEM certificate chain: with --tls-key the port speaks TLS only (default: plain)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--linear", choices=["auto", "onednn", "reference"],
                    help="projection kernel: onednn (CPU, weights prepacked once, a second copy in memory) or the plain "

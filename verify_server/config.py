@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,10 @@ class ServerConfig:
     prefix_cache_tokens: int = 1024
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
     auth_token: str | None = None  # when set, Open must carry it
+    # TLS: the server's PEM certificate chain and its private key, both or neither; with them the port speaks TLS
+    # only (devices set tls, and tls_ca where the certificate's CA is not in their system's store).
+    tls_cert: str | None = None
+    tls_key: str | None = None
     metrics_port: int | None = None  # Prometheus exporter; None disables it
     # Projection kernel: auto (onednn on CPU where it works, else reference) | onednn | reference.
     linear: str = "auto"
@@ -101,6 +106,20 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in [0, 60000) ms, got {value!r}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (TLS) or neither")
+        if self.tls_cert is not None:
+            check_tls_pair(self.tls_cert, self.tls_key)
+
+
+def check_tls_pair(cert: str, key: str) -> None:
+    """A certificate chain and private key that Python's own TLS accepts as a pair: gRPC reports a bad or
+    mismatched one only as 'Failed to bind to address'."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except OSError as err:  # ssl.SSLError is one: a missing file, no PEM in it, a key that is not the certificate's
+        raise ValueError(f"tls_cert {cert} and tls_key {key}: not a usable certificate and key "
+                         f"({err.strerror or err})") from None
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}

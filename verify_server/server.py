@@ -8,6 +8,7 @@ import logging
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -59,15 +60,21 @@ class VerifyServer:
     async def start(self) -> int:
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
+        cfg = self.config
+        address = f"{cfg.host}:{cfg.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            if cfg.tls_cert is not None:  # the pair was checked with the config
+                pair = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
+                self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+            else:
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError as err:  # grpc raises where it once returned 0
             raise OSError(f"cannot listen on {address}: {err}") from None
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         await self.server.start()
-        log.info("listening on %s:%d (NOT_SERVING until the model is warm)", self.config.host, self.port)
+        log.info("listening on %s:%d%s (NOT_SERVING until the model is warm)", cfg.host, self.port,
+                 " over TLS" if cfg.tls_cert is not None else "")
         return self.port
 
     async def load(self) -> None:
@@ -123,7 +130,8 @@ async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
             waiter.cancel()
             await server.stop(grace=0)
             loader.result()
-        print(f"SLED verify server ready on {config.host}:{port} (target {server.target.name})", flush=True)
+        print(f"SLED verify server ready on {config.host}:{port}{' over TLS' if config.tls_cert else ''} "
+              f"(target {server.target.name})", flush=True)
         await waiter
     else:
         loader.cancel()

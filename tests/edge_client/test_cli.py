@@ -18,3 +18,20 @@ def test_bad_generate_settings_are_one_line_errors(flags, message, capsys):
     # a draft model that does not exist: reaching the model load would say "does not exist" instead
     assert main(["generate", "hi", "--draft-model", "/nowhere/draft.gguf", *flags]) == 2
     assert capsys.readouterr().err == f"sled-edge: {message}\n"
+
+
+def test_tls_settings_are_checked_before_anything_connects_or_loads(tmp_path, capsys):
+    from verify_server.cli import main as server_main
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    assert main(["info", "--server", "127.0.0.1:5", "--tls-server-name", "sled.internal"]) == 2
+    assert capsys.readouterr().err == "sled-edge info: --tls-server-name applies to TLS: give --tls (or --tls-ca)\n"
+    assert main(["generate", "hi", "--draft-model", "/nowhere/draft.gguf", "--tls-ca", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sled-edge: tls_ca {junk}: cannot read CA certificates from it (") and "\n" == err[-1:]
+    assert main(["serve", "--tls-server-name", "sled.internal"]) == 2
+    assert capsys.readouterr().err == "sled-edge serve: tls_server_name applies to TLS: set tls: true (or tls_ca)\n"
+    assert server_main(["--tls-cert", str(junk)]) == 2
+    assert capsys.readouterr().err == ("sled-server: bad configuration: tls_cert and tls_key go together: give both "
+                                       "(TLS) or neither\n")

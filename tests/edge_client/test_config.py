@@ -1,9 +1,12 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
+import trustme
 
 from edge_client.config import EdgeConfig, load_edge_config
 from edge_client.drafters.base import DrafterOptions
+from edge_client.transport import TLS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,3 +78,22 @@ def test_a_nan_deadline_is_refused(setting):
         EdgeConfig(**{setting: float("nan")})
     with pytest.raises(ValueError, match=setting):
         Resilience(**{setting: float("nan")})
+
+
+def test_the_device_config_turns_tls_on_and_checks_its_files(tmp_path):
+    trustme.CA().cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    assert load_edge_config().channel_tls() is None
+    assert load_edge_config(tls=True).channel_tls() == TLS(None, None)  # the system's CA certificates
+    yaml_file = tmp_path / "device.yaml"
+    yaml_file.write_text(f"device:\n  server: 10.0.0.5:50051\n  tls_ca: {tmp_path / 'ca.pem'}\n"
+                         "  tls_server_name: sled.internal\n")
+    config = load_edge_config(yaml_file)  # tls_ca alone turns TLS on
+    assert config.uses_tls and config.channel_tls() == TLS((tmp_path / "ca.pem").read_bytes(), "sled.internal")
+    assert dataclasses.replace(config, tls_ca=None, tls=True).channel_tls() == TLS(None, "sled.internal")
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    for settings, says in ((dict(tls_ca=str(tmp_path / "junk.pem")), "cannot read CA certificates"),
+                           (dict(tls_ca=str(tmp_path / "none.pem")), "No such file"),
+                           (dict(tls_server_name="sled.internal"), "tls_server_name applies to TLS"),
+                           (dict(tls="yes"), "tls must be true or false")):
+        with pytest.raises(ValueError, match=says):
+            load_edge_config(**settings)

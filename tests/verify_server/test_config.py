@@ -87,3 +87,24 @@ def test_a_nan_time_setting_is_refused(setting):
     # NaN passed the old `< 0` and `<= 0` checks; a NaN batching window left steps to wait for full batches
     with pytest.raises(ValueError, match=setting):
         ServerConfig(**{setting: float("nan")})
+
+
+def test_tls_needs_a_certificate_and_its_own_key(tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    cert, stranger = ca.issue_cert("localhost"), ca.issue_cert("localhost")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    stranger.private_key_pem.write_to_path(str(tmp_path / "other-key.pem"))
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    pem = {name: str(tmp_path / f"{name}.pem") for name in ("cert", "key", "other-key", "junk", "none")}
+    cfg = load_config(tls_cert=pem["cert"], tls_key=pem["key"])
+    assert (cfg.tls_cert, cfg.tls_key) == (pem["cert"], pem["key"])
+    for settings, says in ((dict(tls_cert=pem["cert"]), "tls_cert and tls_key go together"),
+                           (dict(tls_key=pem["key"]), "tls_cert and tls_key go together"),
+                           (dict(tls_cert=pem["cert"], tls_key=pem["other-key"]), "KEY_VALUES_MISMATCH"),
+                           (dict(tls_cert=pem["junk"], tls_key=pem["key"]), "not a usable certificate and key"),
+                           (dict(tls_cert=pem["none"], tls_key=pem["key"]), "No such file")):
+        with pytest.raises(ValueError, match=says):
+            load_config(**settings)

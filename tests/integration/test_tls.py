@@ -1,0 +1,125 @@
+"""TLS between a device and the verify server: the same text over TLS as over a plain connection, the bearer token
+checked inside it, and a clear failure for a device that does not trust the certificate or does not speak TLS."""
+
+import time
+
+import pytest
+import trustme
+
+from edge_client.drafters import create_drafter
+from edge_client.generation import Resilience, generate
+from edge_client.transport import TLS, VerifierClient, VerifyError
+from tests.conftest import ServerThread, run
+
+pytestmark = pytest.mark.model
+
+PROMPT = [1, 504, 3458, 314, 1345, 30]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, and a certificate of it for localhost / 127.0.0.1 and one for a name only ("sled.internal")."""
+    out = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(out / "ca.pem"))
+    for name, hosts in (("local", ("localhost", "127.0.0.1")), ("named", ("sled.internal",))):
+        cert = ca.issue_cert(*hosts)
+        cert.cert_chain_pems[0].write_to_path(str(out / f"{name}.pem"))
+        cert.private_key_pem.write_to_path(str(out / f"{name}-key.pem"))
+    trustme.CA().cert_pem.write_to_path(str(out / "other-ca.pem"))
+    return out
+
+
+def serve(tiny, pki=None, cert="local", **settings):
+    from verify_server.config import ServerConfig
+
+    tls = dict(tls_cert=str(pki / f"{cert}.pem"), tls_key=str(pki / f"{cert}-key.pem")) if pki else {}
+    return ServerThread(ServerConfig(host="127.0.0.1", port=0, max_sessions=4, max_seq_len=256, seed=0,
+                                     target="random:llama-tiny", **tls, **settings), tiny).load()
+
+
+def greedy(address, tokenizer, tls=None, auth_token=None, fallback="fail"):
+    async def go():
+        client = VerifierClient(address, auth_token, tls=tls)
+        try:
+            return await generate(client, create_drafter("ngram"), tokenizer, PROMPT, max_tokens=16, draft_tokens=4,
+                                  adaptive=False, resilience=Resilience(fallback=fallback, wait_deadline_s=2.0,
+                                                                        round_timeout_s=5.0))
+        finally:
+            await client.close()
+
+    return run(go())
+
+
+@pytest.fixture(scope="module")
+def plain_text(tiny, tokenizer):
+    server = serve(tiny)
+    try:
+        return greedy(server.address, tokenizer).token_ids
+    finally:
+        server.stop()
+
+
+def test_a_device_gets_the_same_text_over_tls_with_the_token_checked(tiny, tokenizer, pki, plain_text):
+    server = serve(tiny, pki, auth_token="s3cret")
+    try:
+        result = greedy(server.address, tokenizer, TLS.load(pki / "ca.pem"), auth_token="s3cret")
+        assert result.token_ids == plain_text and len(plain_text) == 16
+        assert result.rounds > 0 and result.unverified_tokens == 0
+        with pytest.raises(VerifyError) as refused:  # the token is still checked over TLS
+            greedy(server.address, tokenizer, TLS.load(pki / "ca.pem"), auth_token="wrong")
+        assert refused.value.code == "UNAUTHENTICATED"
+    finally:
+        server.stop()
+
+
+def test_a_device_that_does_not_trust_the_certificate_or_speaks_plain_is_refused_at_once(tiny, tokenizer, pki):
+    server = serve(tiny, pki)
+    try:
+        for tls, says in ((TLS.load(pki / "other-ca.pem"), "CERTIFICATE_VERIFY_FAILED"), (None, "Socket closed")):
+            t0 = time.monotonic()
+            with pytest.raises(VerifyError) as failed:
+                greedy(server.address, tokenizer, tls)
+            assert failed.value.code == "UNAVAILABLE" and says in failed.value.message
+            assert time.monotonic() - t0 < 5  # the fail policy: no waiting for a server that is there
+        assert server.engine.metrics.sessions_opened == 0
+    finally:
+        server.stop()
+
+
+def test_a_server_reached_by_address_is_checked_against_the_name_given(tiny, tokenizer, pki, plain_text):
+    server = serve(tiny, pki, cert="named")  # a certificate for sled.internal only, reached at 127.0.0.1
+    try:
+        with pytest.raises(VerifyError) as failed:
+            greedy(server.address, tokenizer, TLS.load(pki / "ca.pem"))
+        assert failed.value.code == "UNAVAILABLE"
+        named = TLS.load(pki / "ca.pem", server_name="sled.internal")
+        assert greedy(server.address, tokenizer, named).token_ids == plain_text
+    finally:
+        server.stop()
+
+
+def test_a_tls_device_against_a_plain_server_fails_and_the_server_goes_on(tiny, tokenizer, pki, plain_text):
+    server = serve(tiny)
+    try:
+        with pytest.raises(VerifyError) as failed:
+            greedy(server.address, tokenizer, TLS.load(pki / "ca.pem"))
+        assert failed.value.code == "UNAVAILABLE"
+        assert greedy(server.address, tokenizer).token_ids == plain_text
+    finally:
+        server.stop()
+
+
+
+def test_sled_edge_info_over_tls(tiny, pki, capsys):
+    from edge_client.cli import main
+
+    server = serve(tiny, pki)
+    try:
+        assert main(["info", "--server", server.address, "--tls-ca", str(pki / "ca.pem")]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"server {server.address}\n  target: random:llama-tiny")
+        assert main(["info", "--server", server.address, "--timeout", "1"]) == 1  # plain: no answer
+        assert capsys.readouterr().err.startswith(f"sled-edge info: no answer from {server.address} within 1s")
+    finally:
+        server.stop()
