@@ -59,20 +59,31 @@ async def run_set(address, tokenizer, drafter, prompts, max_tokens, k):
             "tokens_per_s": tokens / sum(r.elapsed_s for r in rows)}
 
 
+# With this model most tensors of a q2_k request fall back to q4_0 (576 columns is not a multiple of 256).
+REQUANTIZED_NAMES = {"q2_k": "llama.cpp requantized (q2_k request; q4_0 fallback)"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt (default 96)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="K (default 4)")
     ap.add_argument("--onnx-model", help="ONNX draft to use (default: export the full model, int8, to a temp dir)")
+    ap.add_argument("--requantized", default="q2_k", metavar="TYPES",
+                    help="comma-separated quantizations the Q4_1 drafter is requantized to, one row each, e.g. "
+                         "q2_k,q4_0,q8_0: a weaker drafter (q2_k), or another format to draft in (default q2_k)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()
     if args.max_tokens < 1 or args.draft_tokens < 1:
         ap.error("--max-tokens and --draft-tokens must be at least 1")
-    work = Path(tempfile.mkdtemp(prefix="sled-drafters-"))
-    from scripts.requantize_gguf import requantize
+    from scripts.requantize_gguf import TYPES, requantize
 
-    q2k = requantize(None, work / "smollm2-q2k.gguf", "q2_k")
+    kinds = [k for k in args.requantized.split(",") if k]
+    if any(k not in TYPES for k in kinds):
+        ap.error(f"--requantized: types must be among {', '.join(TYPES)}, got {args.requantized!r}")
+    work = Path(tempfile.mkdtemp(prefix="sled-drafters-"))
+    requantized = {REQUANTIZED_NAMES.get(k, f"llama.cpp requantized to {k}"):
+                   requantize(None, work / f"smollm2-{k}.gguf", k) for k in kinds}
     onnx_model = args.onnx_model
     if not onnx_model:
         from scripts.export_onnx_draft import export
@@ -80,8 +91,7 @@ def main() -> int:
         onnx_model = str(export(None, work / "smollm2-int8.onnx", None, True))
     drafters = {
         "llama.cpp Q4_1": ("llama-cpp", DrafterOptions(threads=1)),
-        "llama.cpp requantized (q2_k request; q4_0 fallback)": ("llama-cpp", DrafterOptions(model_path=str(q2k),
-                                                                                            threads=1)),
+        **{name: ("llama-cpp", DrafterOptions(model_path=str(path), threads=1)) for name, path in requantized.items()},
         "ONNX Runtime, int8 weights": ("onnx", DrafterOptions(onnx_model=onnx_model, threads=1)),
         "Cacheback (LRU n-gram caches)": ("cacheback", DrafterOptions()),
         "prompt lookup (n-gram)": ("ngram", DrafterOptions()),
