@@ -227,8 +227,8 @@ async def serve(config) -> None:
     site = web.TCPSite(runner, config.http_host, config.http_port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
-    print(f"SLED device agent on http://{config.http_host}:{port}/v1 (verify server {config.server}, "
-          f"drafter {config.drafter})", flush=True)
+    print(f"SLED device agent on http://{config.http_host}:{port}/v1 (verify server {config.server}"
+          f"{' over TLS' if config.uses_tls else ''}, drafter {config.drafter})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

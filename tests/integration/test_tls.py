@@ -123,3 +123,31 @@ def test_sled_edge_info_over_tls(tiny, pki, capsys):
         assert capsys.readouterr().err.startswith(f"sled-edge info: no answer from {server.address} within 1s")
     finally:
         server.stop()
+
+
+def test_the_device_agent_daemon_serves_through_a_tls_server(make_server, pki, tmp_path, tokenizer,
+                                                             reference_greedy):
+    import subprocess
+
+    from openai import OpenAI
+
+    from tests.integration.test_processes import BIN
+
+    server = make_server(tls_cert=str(pki / "local.pem"), tls_key=str(pki / "local-key.pem"), auth_token="s3cret")
+    cfg = tmp_path / "device.yaml"
+    cfg.write_text(f"server: localhost:{server.server.port}\ntls_ca: {pki / 'ca.pem'}\nauth_token: s3cret\n"
+                   "context_size: 1024\nhttp_port: 0\n")
+    proc = subprocess.Popen([BIN / "sled-edge", "serve", "--config", str(cfg), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"(verify server localhost:{server.server.port} over TLS, drafter llama-cpp)" in line, line
+        client = OpenAI(base_url=line.split("on ", 1)[1].split(" ", 1)[0], api_key="unused")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        ids = tokenizer.encode(tokenizer.chat_prompt(messages))
+        r = client.chat.completions.create(model="sled", messages=messages, max_tokens=24, temperature=0)
+        assert r.choices[0].message.content == tokenizer.decode(reference_greedy(tuple(ids), 24))
+        assert r.model_extra["sled"]["accepted_tokens"] > 0 and r.model_extra["sled"]["unverified_tokens"] == 0
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
