@@ -99,7 +99,12 @@ def load_edge_config(path: str | Path | None = None, **overrides: Any) -> EdgeCo
     """Read YAML (if given; a top-level `device:` section is accepted), apply non-None overrides, check."""
     values: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as err:  # PyYAML's message spans five lines
+            mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(f"{path}{where}: not valid YAML ({problem or ' '.join(str(err).split())})") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
         values.update(loaded["device"] if isinstance(loaded.get("device"), dict) else loaded)

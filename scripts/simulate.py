@@ -37,11 +37,20 @@ BIN = Path(sys.executable).parent
 
 
 def load_compose(path: Path) -> dict:
-    doc = yaml.safe_load(path.read_text())  # merge keys (<<: *device) resolve here
-    services = doc.get("services") or {}
+    from verify_server.config import yaml_error
+
+    try:
+        doc = yaml.safe_load(path.read_text())  # merge keys (<<: *device) resolve here
+    except yaml.YAMLError as err:
+        raise ValueError(yaml_error(path, err)) from None
+    services = doc.get("services") if isinstance(doc, dict) else None
     if not services:
         raise ValueError(f"{path} has no services")
+    if not isinstance(services, dict):
+        raise ValueError(f"{path}: services must be a mapping of names to services, got {type(services).__name__}")
     for name, svc in services.items():
+        if not isinstance(svc, dict):
+            raise ValueError(f"service {name}: must be a mapping of settings, got {type(svc).__name__}")
         if not isinstance(svc.get("command"), list):
             raise ValueError(f"service {name}: command must be a list (exec form)")
     return services

@@ -68,3 +68,17 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error(timeout):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--timeout", timeout],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--timeout must be positive" in done.stderr
+
+
+
+@pytest.mark.parametrize("text, after_path", [
+    (": :\n", ", line 1, column 1: not valid YAML (expected <block end>, but found ':')"),
+    ("[1]\n", " has no services"),
+    ("services: [1]\n", ": services must be a mapping of names to services, got list"),
+])
+def test_a_compose_file_of_the_wrong_shape_is_a_clear_error(tmp_path, text, after_path):
+    f = tmp_path / "compose.yml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as err:
+        simulate.load_compose(f)
+    assert str(err.value) == f"{f}{after_path}"

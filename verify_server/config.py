@@ -125,12 +125,23 @@ def check_tls_pair(cert: str, key: str) -> None:
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 
+def yaml_error(path: str | Path, err: yaml.YAMLError) -> str:
+    """A YAML parse error in one line, with where it is (PyYAML's own message spans five)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = getattr(err, "problem", None) or " ".join(str(err).split())
+    return f"{path}{where}: not valid YAML ({what})"
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:
     """Read YAML (if given), apply non-None overrides, and check everything."""
     values: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(yaml_error(path, err)) from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
         values.update(loaded.get("server", loaded) if isinstance(loaded.get("server"), dict) else loaded)

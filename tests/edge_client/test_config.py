@@ -97,3 +97,15 @@ def test_the_device_config_turns_tls_on_and_checks_its_files(tmp_path):
                            (dict(tls="yes"), "tls must be true or false")):
         with pytest.raises(ValueError, match=says):
             load_edge_config(**settings)
+
+
+def test_a_device_config_that_is_not_yaml_is_one_line_naming_where(tmp_path, capsys):
+    from edge_client.cli import main
+
+    f = tmp_path / "device.yaml"
+    f.write_text("server: 10.0.0.5:50051\n\t- x\n")
+    with pytest.raises(ValueError, match=r"device.yaml, line 2, column 1: not valid YAML \(found character '\\t' "):
+        load_edge_config(f)
+    assert main(["serve", "--config", str(f)]) == 2
+    assert capsys.readouterr().err == (f"sled-edge serve: {f}, line 2, column 1: not valid YAML (found character "
+                                       "'\\t' that cannot start any token)\n")

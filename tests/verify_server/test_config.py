@@ -108,3 +108,18 @@ def test_tls_needs_a_certificate_and_its_own_key(tmp_path):
                            (dict(tls_cert=pem["none"], tls_key=pem["key"]), "No such file")):
         with pytest.raises(ValueError, match=says):
             load_config(**settings)
+
+
+
+@pytest.mark.parametrize("text, after_path", [
+    (": :\n", ", line 1, column 1: not valid YAML (expected <block end>, but found ':')"),
+    ("port: 1\nhost: \"x\n", ", line 3, column 1: not valid YAML (found unexpected end of stream)"),
+    ("a: \x07\n", ": not valid YAML (unacceptable character #x0007: special characters are not allowed in "
+                   "\"<unicode string>\", position 3)"),
+])
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_where(tmp_path, text, after_path):
+    f = tmp_path / "s.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_config(f)
+    assert str(err.value) == f"{f}{after_path}"
