@@ -104,8 +104,6 @@ def test_a_device_config_that_is_not_yaml_is_one_line_naming_where(tmp_path, cap
 
     f = tmp_path / "device.yaml"
     f.write_text("server: 10.0.0.5:50051\n\t- x\n")
-    with pytest.raises(ValueError, match=r"device.yaml, line 2, column 1: not valid YAML \(found character '\\t' "):
-        load_edge_config(f)
     assert main(["serve", "--config", str(f)]) == 2
     assert capsys.readouterr().err == (f"sled-edge serve: {f}, line 2, column 1: not valid YAML (found character "
                                        "'\\t' that cannot start any token)\n")
