@@ -132,6 +132,9 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
         kwargs = {"gguf_file": path.name}
         folder = str(path.parent)
     else:
+        if not (path / "config.json").is_file():  # transformers would blame a missing tokenizer converter first
+            raise ValueError(f"target {path} is a folder without config.json; give a Hugging Face model folder "
+                             "(config.json, weights, tokenizer) or a GGUF file")
         kwargs = {}
         folder = str(path)
     log.info("loading target %s (%s, %s)", path, device, dtype)

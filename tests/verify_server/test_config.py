@@ -85,6 +85,18 @@ def test_a_cuda_device_without_cuda_is_a_clear_error():
     assert resolve_device("cpu") == torch.device("cpu")
 
 
+def test_a_target_that_is_neither_a_gguf_nor_a_model_folder_is_a_clear_error(tmp_path):
+    import torch
+
+    from verify_server.model_loader import load_target
+
+    (tmp_path / "notes.txt").write_text("not a model")
+    for path, says in ((tmp_path, "is a folder without config.json; give a Hugging Face model folder"),
+                       (tmp_path / "notes.txt", "is a file but not a .gguf")):
+        with pytest.raises(ValueError, match=f"target {path} {says}"):
+            load_target(str(path), torch.device("cpu"), torch.float32)
+
+
 @pytest.mark.parametrize("setting", ["max_wait_ms", "idle_timeout_s"])
 def test_a_nan_time_setting_is_refused(setting):
     # NaN passed the old `< 0` and `<= 0` checks; a NaN batching window left steps to wait for full batches
