@@ -25,7 +25,7 @@ def default_model_path() -> Path:
 def resolve_model_path(path: str | Path | None) -> Path:
     p = Path(path) if path else default_model_path()
     if not p.is_file():
-        raise FileNotFoundError(f"model file {p} does not exist")
+        raise FileNotFoundError(f"model file {p} {'is a folder, not a GGUF file' if p.is_dir() else 'does not exist'}")
     return p
 
 

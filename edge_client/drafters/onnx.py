@@ -21,7 +21,8 @@ class OnnxDrafter(KVDrafter):
             raise ValueError("the onnx drafter needs --onnx-model PATH (made by scripts/export_onnx_draft.py)")
         path = Path(options.onnx_model)
         if not path.is_file():
-            raise FileNotFoundError(f"ONNX draft model {path} does not exist")
+            raise FileNotFoundError(f"ONNX draft model {path} "
+                                    f"{'is a folder, not an .onnx file' if path.is_dir() else 'does not exist'}")
         meta_path = path.with_suffix(".json")
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} (written beside the model by the export script) is missing")

@@ -35,3 +35,10 @@ def test_tls_settings_are_checked_before_anything_connects_or_loads(tmp_path, ca
     assert server_main(["--tls-cert", str(junk)]) == 2
     assert capsys.readouterr().err == ("sled-server: bad configuration: tls_cert and tls_key go together: give both "
                                        "(TLS) or neither\n")
+
+
+def test_a_model_path_that_is_a_folder_says_so(tmp_path, capsys):
+    assert main(["generate", "hi", "--server", "127.0.0.1:5", "--draft-model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"sled-edge: model file {tmp_path} is a folder, not a GGUF file\n"
+    assert main(["generate", "hi", "--server", "127.0.0.1:5", "--drafter", "onnx", "--onnx-model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"sled-edge: ONNX draft model {tmp_path} is a folder, not an .onnx file\n"
