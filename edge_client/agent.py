@@ -120,7 +120,7 @@ class Agent:
 
     async def server_reachable(self) -> bool:
         try:
-            await asyncio.wait_for(self.client.info(timeout=2.0), 2.5)
+            await asyncio.wait_for(self.client.info(timeout=1.5), 3.0)  # info may try once more, up to 1 s
             return True
         except Exception:  # noqa: BLE001 - health reports, never raises
             return False

@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from .drafters import REGISTRY
+
+# gRPC's own INFO lines (one per failed TLS handshake, each retry) would interleave with the text; the reason of a
+# failed connection is in this CLI's own messages. GRPC_VERBOSITY=INFO shows them again.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def _server_address(text: str) -> str:
@@ -241,7 +246,8 @@ def _run_info(args) -> int:
         return 2
     except VerifyError as err:
         if err.code == "DEADLINE_EXCEEDED":  # nothing listens there, or nothing reaches it
-            print(f"sled-edge info: no answer from {args.server} within {args.timeout:g}s ({err})", file=sys.stderr)
+            print(f"sled-edge info: no answer from {args.server} within {args.timeout:g}s ({err.message})",
+                  file=sys.stderr)
         else:  # e.g. UNAVAILABLE while the model loads
             print(f"sled-edge info: {args.server} answered {err}", file=sys.stderr)
         return 1

@@ -103,7 +103,15 @@ class VerifierClient:
         try:
             return await self.stub.GetInfo(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as err:
-            raise VerifyError.from_rpc(err) from None
+            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise VerifyError.from_rpc(err) from None
+        # Waiting for the server hides why each connection failed (nothing listens, a TLS handshake refused): one
+        # attempt that does not wait says it, or finds a server that has just come up.
+        try:
+            return await self.stub.GetInfo(pb.InfoRequest(), timeout=min(1.0, timeout), wait_for_ready=False)
+        except grpc.aio.AioRpcError as err:
+            raise VerifyError("DEADLINE_EXCEEDED", f"the last connection attempt: {err.code().name}: "
+                                                   f"{err.details()}") from None
 
     async def open(self, open_msg: pb.ClientMessage, timeout: float = 60.0,
                    wait_for_ready: bool = True) -> "RemoteSession":

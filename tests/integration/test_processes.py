@@ -98,6 +98,7 @@ def test_sled_edge_info_says_when_no_server_answers():
     done = edge(["info", "--server", f"127.0.0.1:{free_port()}", "--timeout", "1"], timeout=60)
     assert done.returncode == 1 and done.stdout == ""
     assert "no answer from 127.0.0.1:" in done.stderr and "within 1s" in done.stderr
+    assert "the last connection attempt: UNAVAILABLE" in done.stderr and "Connection refused" in done.stderr
     done = edge(["info", "--timeout", "0"], timeout=60)
     assert done.returncode == 2 and "--timeout must be > 0" in done.stderr
 
