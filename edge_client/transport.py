@@ -55,7 +55,7 @@ def read_ca(path: str | Path) -> bytes:
     try:
         ssl.create_default_context(cafile=str(path))
         return Path(path).read_bytes()
-    except (OSError, ssl.SSLError) as err:
+    except OSError as err:  # ssl.SSLError is one
         raise ValueError(f"tls_ca {path}: cannot read CA certificates from it ({err.strerror or err})") from None
 
 
