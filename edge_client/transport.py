@@ -39,6 +39,16 @@ class VerifyError(Exception):
         """The error as a command line reports it: a refusal says so, a lost link speaks for itself."""
         return str(self) if self.unreachable else f"the server refused: {self}"
 
+    def hinted(self, tls: bool) -> "VerifyError":
+        """This error, with a hint where the likely cause is TLS on one side only (gRPC's own words do not say so)."""
+        if self.code == "UNAVAILABLE" and not tls and "Socket closed" in self.message:
+            hint = "a server that speaks TLS closes a plain connection this way: if it does, set tls (--tls)"
+        elif self.code == "UNAVAILABLE" and tls and "WRONG_VERSION_NUMBER" in self.message:
+            hint = "the server does not seem to speak TLS: if so, leave tls off"
+        else:
+            return self
+        return VerifyError(self.code, f"{self.message} ({hint})")
+
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> "VerifyError":
         code, details = err.code().name, err.details() or ""
@@ -80,6 +90,7 @@ class VerifierClient:
         tls: reach the server over TLS (None: a plain connection, as the server listens by default)."""
         self.address = address
         self.auth_token = auth_token
+        self.tls = tls is not None
         options = [
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 30_000),
@@ -104,19 +115,22 @@ class VerifierClient:
             return await self.stub.GetInfo(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise VerifyError.from_rpc(err) from None
+                raise VerifyError.from_rpc(err).hinted(self.tls) from None
         # Waiting for the server hides why each connection failed (nothing listens, a TLS handshake refused): one
         # attempt that does not wait says it, or finds a server that has just come up.
         try:
             return await self.stub.GetInfo(pb.InfoRequest(), timeout=min(1.0, timeout), wait_for_ready=False)
         except grpc.aio.AioRpcError as err:
-            raise VerifyError("DEADLINE_EXCEEDED", f"the last connection attempt: {err.code().name}: "
-                                                   f"{err.details()}") from None
+            last = VerifyError.from_rpc(err).hinted(self.tls)
+            raise VerifyError("DEADLINE_EXCEEDED", f"the last connection attempt: {last}") from None
 
     async def open(self, open_msg: pb.ClientMessage, timeout: float = 60.0,
                    wait_for_ready: bool = True) -> "RemoteSession":
         session = RemoteSession(self.stub.Session(wait_for_ready=wait_for_ready), self._draining)
-        await session.open(open_msg, timeout)
+        try:
+            await session.open(open_msg, timeout)
+        except VerifyError as err:
+            raise err.hinted(self.tls) from None
         return session
 
     async def close(self, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:

@@ -76,7 +76,9 @@ def test_a_device_gets_the_same_text_over_tls_with_the_token_checked(tiny, token
 def test_a_device_that_does_not_trust_the_certificate_or_speaks_plain_is_refused_at_once(tiny, tokenizer, pki):
     server = serve(tiny, pki)
     try:
-        for tls, says in ((TLS.load(pki / "other-ca.pem"), "CERTIFICATE_VERIFY_FAILED"), (None, "Socket closed")):
+        for tls, says in ((TLS.load(pki / "other-ca.pem"), "CERTIFICATE_VERIFY_FAILED"),
+                          (None, "Socket closed (a server that speaks TLS closes a plain connection this way: if it "
+                                 "does, set tls (--tls))")):
             t0 = time.monotonic()
             with pytest.raises(VerifyError) as failed:
                 greedy(server.address, tokenizer, tls)
@@ -105,6 +107,8 @@ def test_a_tls_device_against_a_plain_server_fails_and_the_server_goes_on(tiny, 
         with pytest.raises(VerifyError) as failed:
             greedy(server.address, tokenizer, TLS.load(pki / "ca.pem"))
         assert failed.value.code == "UNAVAILABLE"
+        assert "WRONG_VERSION_NUMBER" in failed.value.message
+        assert "(the server does not seem to speak TLS: if so, leave tls off)" in failed.value.message
         assert greedy(server.address, tokenizer).token_ids == plain_text
     finally:
         server.stop()
@@ -119,7 +123,7 @@ def test_sled_edge_info_over_tls(tiny, pki, capsys):
         assert main(["info", "--server", server.address, "--tls-ca", str(pki / "ca.pem")]) == 0
         out = capsys.readouterr().out
         assert out.startswith(f"server {server.address}\n  target: random:llama-tiny")
-        for flags, says in (([], "Socket closed"),  # plain at a TLS server
+        for flags, says in (([], "Socket closed (a server that speaks TLS closes"),  # plain at a TLS server
                             (["--tls-ca", str(pki / "other-ca.pem")], "CERTIFICATE_VERIFY_FAILED")):
             assert main(["info", "--server", server.address, "--timeout", "1", *flags]) == 1
             err = capsys.readouterr().err
