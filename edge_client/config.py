@@ -35,9 +35,10 @@ class EdgeConfig:
     flash_attn: bool = True
     context_size: int = 4096  # drafter context
     auth_token: str | None = None  # the verify server's bearer token
-    # TLS to the verify server (on when tls is true or tls_ca is set): the PEM CA certificates to trust (None: the
-    # system's), and the name the server's certificate carries where the server's address does not (an IP address).
-    tls: bool = False
+    # TLS to the verify server: on when tls is true, or when it is unset and tls_ca is set; tls_ca: the PEM CA
+    # certificates to trust (None: the system's); tls_server_name: the name the server's certificate carries where
+    # the server's address does not (an IP address).
+    tls: bool | None = None
     tls_ca: str | None = None
     tls_server_name: str | None = None
     fallback: str = "wait"  # wait | local | fail while the server is unreachable
@@ -70,6 +71,8 @@ class EdgeConfig:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if self.drafter == "onnx" and not self.onnx_model:
             raise ValueError("the onnx drafter needs onnx_model (a file made by scripts/export_onnx_draft.py)")
+        if self.tls is False and self.tls_ca is not None:
+            raise ValueError("tls is false but tls_ca is set: drop tls_ca for a plain connection, or tls for TLS")
         if self.tls_server_name is not None and not self.uses_tls:
             raise ValueError("tls_server_name applies to TLS: set tls: true (or tls_ca)")
         if self.tls_ca is not None:
@@ -77,7 +80,7 @@ class EdgeConfig:
 
     @property
     def uses_tls(self) -> bool:
-        return self.tls or self.tls_ca is not None
+        return bool(self.tls) or self.tls_ca is not None  # tls false with tls_ca is refused above
 
     def channel_tls(self) -> TLS | None:
         """How the device reaches its server: over TLS, or (None) a plain connection."""
@@ -116,7 +119,7 @@ def load_edge_config(path: str | Path | None = None, **overrides: Any) -> EdgeCo
         kind = FIELDS[name].type
         if value is None:
             continue
-        if kind == "bool" and not isinstance(value, bool):
+        if kind.startswith("bool") and not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
         if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -90,10 +90,13 @@ def test_the_device_config_turns_tls_on_and_checks_its_files(tmp_path):
     config = load_edge_config(yaml_file)  # tls_ca alone turns TLS on
     assert config.uses_tls and config.channel_tls() == TLS((tmp_path / "ca.pem").read_bytes(), "sled.internal")
     assert dataclasses.replace(config, tls_ca=None, tls=True).channel_tls() == TLS(None, "sled.internal")
+    with pytest.raises(ValueError, match="tls is false but tls_ca is set"):  # `--no-tls` over that file
+        load_edge_config(yaml_file, tls=False)
     (tmp_path / "junk.pem").write_text("not a certificate")
     for settings, says in ((dict(tls_ca=str(tmp_path / "junk.pem")), "cannot read CA certificates"),
                            (dict(tls_ca=str(tmp_path / "none.pem")), "No such file"),
                            (dict(tls_server_name="sled.internal"), "tls_server_name applies to TLS"),
+                           (dict(tls=False, tls_ca=str(tmp_path / "ca.pem")), "tls is false but tls_ca is set"),
                            (dict(tls="yes"), "tls must be true or false")):
         with pytest.raises(ValueError, match=says):
             load_edge_config(**settings)
