@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from verify_server.config import yaml_error
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linkemu import LinkEmulator, LinkSpec  # noqa: E402
 from ports import free_ports  # noqa: E402
@@ -37,8 +39,6 @@ BIN = Path(sys.executable).parent
 
 
 def load_compose(path: Path) -> dict:
-    from verify_server.config import yaml_error
-
     try:
         doc = yaml.safe_load(path.read_text())  # merge keys (<<: *device) resolve here
     except yaml.YAMLError as err:
