@@ -42,17 +42,21 @@ def _add_tls(p, overrides: bool = False) -> None:
     p.add_argument("--tls-server-name", metavar="NAME",
                    help="the name the server's certificate carries, where the address in --server does not (an IP "
                         "address)")
+    p.add_argument("--tls-cert", metavar="FILE",
+                   help="this device's PEM certificate chain, for a server that requires client certificates "
+                        "(mutual TLS; with --tls-key; implies --tls)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
 
 
 def _channel_tls(args):
     """generate's and info's TLS flags as the client's TLS settings, or None for a plain connection."""
     from .transport import TLS
 
-    if not (args.tls or args.tls_ca):
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
         if args.tls_server_name:
             raise ValueError("--tls-server-name applies to TLS: give --tls (or --tls-ca)")
         return None
-    return TLS.load(args.tls_ca, args.tls_server_name)
+    return TLS.load(args.tls_ca, args.tls_server_name, args.tls_cert, args.tls_key)
 
 
 def _add_generate(sub) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from .generation import FALLBACKS
-from .transport import TLS, read_ca
+from .transport import TLS, read_ca, read_client_pair
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,15 @@ class EdgeConfig:
     flash_attn: bool = True
     context_size: int = 4096  # drafter context
     auth_token: str | None = None  # the verify server's bearer token
-    # TLS to the verify server: on when tls is true, or when it is unset and tls_ca is set; tls_ca: the PEM CA
-    # certificates to trust (None: the system's); tls_server_name: the name the server's certificate carries where
-    # the server's address does not (an IP address).
+    # TLS to the verify server: on when tls is true, or when it is unset and tls_ca or tls_cert is set; tls_ca: the
+    # PEM CA certificates to trust (None: the system's); tls_server_name: the name the server's certificate carries
+    # where the server's address does not (an IP address); tls_cert and tls_key: this device's PEM certificate chain
+    # and private key, both or neither, for a server that requires client certificates (mutual TLS).
     tls: bool | None = None
     tls_ca: str | None = None
     tls_server_name: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     fallback: str = "wait"  # wait | local | fail while the server is unreachable
     wait_deadline_s: float = 120.0
     round_timeout_s: float = 30.0
@@ -71,20 +74,30 @@ class EdgeConfig:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if self.drafter == "onnx" and not self.onnx_model:
             raise ValueError("the onnx drafter needs onnx_model (a file made by scripts/export_onnx_draft.py)")
-        if self.tls is False and self.tls_ca is not None:
-            raise ValueError("tls is false but tls_ca is set: drop tls_ca for a plain connection, or tls for TLS")
+        if self.tls is False:
+            for name in ("tls_ca", "tls_cert"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"tls is false but {name} is set: drop {name} for a plain connection, or tls "
+                                     "for TLS")
         if self.tls_server_name is not None and not self.uses_tls:
             raise ValueError("tls_server_name applies to TLS: set tls: true (or tls_ca)")
         if self.tls_ca is not None:
             read_ca(self.tls_ca)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (a client certificate) or neither")
+        if self.tls_cert is not None:
+            read_client_pair(self.tls_cert, self.tls_key)
 
     @property
     def uses_tls(self) -> bool:
-        return bool(self.tls) or self.tls_ca is not None  # tls false with tls_ca is refused above
+        # tls false with tls_ca or tls_cert is refused above
+        return bool(self.tls) or self.tls_ca is not None or self.tls_cert is not None
 
     def channel_tls(self) -> TLS | None:
         """How the device reaches its server: over TLS, or (None) a plain connection."""
-        return TLS.load(self.tls_ca, self.tls_server_name) if self.uses_tls else None
+        if not self.uses_tls:
+            return None
+        return TLS.load(self.tls_ca, self.tls_server_name, self.tls_cert, self.tls_key)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(EdgeConfig)}

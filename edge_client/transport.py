@@ -45,6 +45,11 @@ class VerifyError(Exception):
             hint = "a server that speaks TLS closes a plain connection this way: if it does, set tls (--tls)"
         elif self.code == "UNAVAILABLE" and tls and "WRONG_VERSION_NUMBER" in self.message:
             hint = "the server does not seem to speak TLS: if so, leave tls off"
+        elif self.code == "UNAVAILABLE" and tls and "Socket closed" in self.message:
+            # TLS 1.3: the server checks the device's certificate after the device has finished its handshake, so
+            # a missing or untrusted one only closes the connection
+            hint = ("a server that requires client certificates closes the connection this way where the device "
+                    "presents none (tls_cert, tls_key) or one it does not trust")
         else:
             return self
         return VerifyError(self.code, f"{self.message} ({hint})")
@@ -59,6 +64,17 @@ class VerifyError(Exception):
         return cls(code, details)
 
 
+def read_client_pair(cert: str | Path, key: str | Path) -> tuple[bytes, bytes]:
+    """The device's own PEM certificate chain and private key (mutual TLS), checked as a pair the way Python's own
+    TLS reads them: gRPC would only fail each handshake."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(str(cert), str(key))
+        return Path(cert).read_bytes(), Path(key).read_bytes()
+    except OSError as err:  # ssl.SSLError is one: a missing file, no PEM in it, a key that is not the certificate's
+        raise ValueError(f"tls_cert {cert} and tls_key {key}: not a usable certificate and key "
+                         f"({err.strerror or err})") from None
+
+
 def read_ca(path: str | Path) -> bytes:
     """The PEM CA certificates in `path`, checked the way Python's own TLS reads them: a missing file or one
     without a certificate is a ValueError that names it (gRPC would only fail each handshake)."""
@@ -71,15 +87,25 @@ def read_ca(path: str | Path) -> bytes:
 
 @dataclass(frozen=True)
 class TLS:
-    """A verify server reached over TLS: the PEM CA certificates to trust (None: the system's) and the name its
-    certificate must carry where that is not the host of the address (a server reached by IP address)."""
+    """A verify server reached over TLS: the PEM CA certificates to trust (None: the system's), the name its
+    certificate must carry where that is not the host of the address (a server reached by IP address), and the
+    device's own PEM certificate chain and private key for a server that requires them (mutual TLS; None: none)."""
 
     ca: bytes | None = None
     server_name: str | None = None
+    cert_chain: bytes | None = None
+    key: bytes | None = None
 
     @classmethod
-    def load(cls, ca_file: str | Path | None = None, server_name: str | None = None) -> "TLS":
-        return cls(read_ca(ca_file) if ca_file is not None else None, server_name or None)
+    def load(cls, ca_file: str | Path | None = None, server_name: str | None = None,
+             cert_file: str | Path | None = None, key_file: str | Path | None = None) -> "TLS":
+        if (cert_file is None) != (key_file is None):
+            raise ValueError("tls_cert and tls_key go together: give both (a client certificate) or neither")
+        chain, key = read_client_pair(cert_file, key_file) if cert_file is not None else (None, None)
+        return cls(read_ca(ca_file) if ca_file is not None else None, server_name or None, chain, key)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, private_key=self.key, certificate_chain=self.cert_chain)
 
 
 class VerifierClient:
@@ -105,7 +131,7 @@ class VerifierClient:
         else:
             if tls.server_name:
                 options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self.channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls.ca), options=options)
+            self.channel = grpc.aio.secure_channel(address, tls.credentials(), options=options)
         self.stub = pb_grpc.VerifierStub(self.channel)
         # Closed sessions whose stream end is still being read (RemoteSession.close); close() waits for them.
         self._draining: set[asyncio.Task] = set()

@@ -84,7 +84,8 @@ def main_workload(args) -> int:
     try:
         config = load_edge_config(args.config, server=args.server, drafter=args.drafter, draft_model=args.draft_model,
                                   onnx_model=args.onnx_model, threads=args.threads, tls=args.tls, tls_ca=args.tls_ca,
-                                  tls_server_name=args.tls_server_name)
+                                  tls_server_name=args.tls_server_name, tls_cert=args.tls_cert,
+                                  tls_key=args.tls_key)
         summary = asyncio.run(run_workload(config, args.requests, args.max_tokens, args.name, args.offset,
                                            args.temperature, log=lambda m: print(m, flush=True)))
     except VerifyError as err:

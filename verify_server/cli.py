@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="FILE",
                    help="PEM certificate chain: with --tls-key the port speaks TLS only (default: plain)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", metavar="FILE",
+                   help="PEM CA certificates: every device must present a certificate they signed (mutual TLS; "
+                        "with --tls-cert; default: no client certificates asked)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--linear", choices=["auto", "onednn", "reference"],
                    help="projection kernel: onednn (CPU, weights prepacked once, a second copy in memory) or the plain "

@@ -38,6 +38,9 @@ class ServerConfig:
     # only (devices set tls, and tls_ca where the certificate's CA is not in their system's store).
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Mutual TLS: PEM CA certificates; with them every device must present a certificate they signed (its tls_cert
+    # and tls_key), or its connection is closed in the handshake. Needs tls_cert.
+    tls_client_ca: str | None = None
     metrics_port: int | None = None  # Prometheus exporter; None disables it
     # Projection kernel: auto (onednn on CPU where it works, else reference) | onednn | reference.
     linear: str = "auto"
@@ -110,6 +113,17 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together: give both (TLS) or neither")
         if self.tls_cert is not None:
             check_tls_pair(self.tls_cert, self.tls_key)
+        if self.tls_client_ca is not None:
+            if self.tls_cert is None:
+                raise ValueError("tls_client_ca applies to TLS: give tls_cert and tls_key too")
+            check_ca(self.tls_client_ca)
+
+    @property
+    def tls_mode(self) -> str:
+        """How the port speaks, for the start-up lines: '' (plain), ' over TLS' or ' over mutual TLS'."""
+        if self.tls_cert is None:
+            return ""
+        return " over mutual TLS" if self.tls_client_ca is not None else " over TLS"
 
 
 def check_tls_pair(cert: str, key: str) -> None:
@@ -120,6 +134,14 @@ def check_tls_pair(cert: str, key: str) -> None:
     except OSError as err:  # ssl.SSLError is one: a missing file, no PEM in it, a key that is not the certificate's
         raise ValueError(f"tls_cert {cert} and tls_key {key}: not a usable certificate and key "
                          f"({err.strerror or err})") from None
+
+
+def check_ca(path: str) -> None:
+    """PEM CA certificates that Python's own TLS can read: gRPC would only fail every device's handshake."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except OSError as err:  # ssl.SSLError is one
+        raise ValueError(f"tls_client_ca {path}: cannot read CA certificates from it ({err.strerror or err})") from None
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}

@@ -65,7 +65,9 @@ class VerifyServer:
         try:
             if cfg.tls_cert is not None:  # the pair was checked with the config
                 pair = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
-                self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+                client_ca = Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca is not None else None
+                self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials(
+                    [pair], root_certificates=client_ca, require_client_auth=client_ca is not None))
             else:
                 self.port = self.server.add_insecure_port(address)
         except RuntimeError as err:  # grpc raises where it once returned 0
@@ -73,8 +75,7 @@ class VerifyServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         await self.server.start()
-        log.info("listening on %s:%d%s (NOT_SERVING until the model is warm)", cfg.host, self.port,
-                 " over TLS" if cfg.tls_cert is not None else "")
+        log.info("listening on %s:%d%s (NOT_SERVING until the model is warm)", cfg.host, self.port, cfg.tls_mode)
         return self.port
 
     async def load(self) -> None:
@@ -130,7 +131,7 @@ async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
             waiter.cancel()
             await server.stop(grace=0)
             loader.result()
-        print(f"SLED verify server ready on {config.host}:{port}{' over TLS' if config.tls_cert else ''} "
+        print(f"SLED verify server ready on {config.host}:{port}{config.tls_mode} "
               f"(target {server.target.name})", flush=True)
         await waiter
     else:

@@ -35,6 +35,20 @@ def test_tls_settings_are_checked_before_anything_connects_or_loads(tmp_path, ca
     assert server_main(["--tls-cert", str(junk)]) == 2
     assert capsys.readouterr().err == ("sled-server: bad configuration: tls_cert and tls_key go together: give both "
                                        "(TLS) or neither\n")
+    # mutual TLS: the device's own certificate and key go together, the server's client CA needs its TLS
+    assert main(["info", "--server", "127.0.0.1:5", "--tls-key", str(junk)]) == 2
+    assert capsys.readouterr().err == ("sled-edge info: tls_cert and tls_key go together: give both (a client "
+                                       "certificate) or neither\n")
+    assert main(["generate", "hi", "--draft-model", "/nowhere/draft.gguf", "--tls-cert", str(junk), "--tls-key",
+                 str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sled-edge: tls_cert {junk} and tls_key {junk}: not a usable certificate and key (")
+    assert main(["serve", "--tls-cert", str(junk), "--no-tls"]) == 2
+    assert capsys.readouterr().err == ("sled-edge serve: tls is false but tls_cert is set: drop tls_cert for a plain "
+                                       "connection, or tls for TLS\n")
+    assert server_main(["--tls-client-ca", str(junk)]) == 2
+    assert capsys.readouterr().err == ("sled-server: bad configuration: tls_client_ca applies to TLS: give tls_cert "
+                                       "and tls_key too\n")
 
 
 def test_a_model_path_that_is_a_folder_says_so(tmp_path, capsys):

@@ -102,6 +102,30 @@ def test_the_device_config_turns_tls_on_and_checks_its_files(tmp_path):
             load_edge_config(**settings)
 
 
+def test_a_device_certificate_turns_tls_on_and_is_checked_as_a_pair(tmp_path):
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    mine, other = ca.issue_cert("device-7"), ca.issue_cert("device-8")
+    mine.cert_chain_pems[0].write_to_path(str(tmp_path / "device.pem"))
+    mine.private_key_pem.write_to_path(str(tmp_path / "device-key.pem"))
+    other.private_key_pem.write_to_path(str(tmp_path / "other-key.pem"))
+    pem = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "device", "device-key", "other-key", "none")}
+    config = load_edge_config(tls_ca=pem["ca"], tls_cert=pem["device"], tls_key=pem["device-key"])
+    assert config.channel_tls() == TLS((tmp_path / "ca.pem").read_bytes(), None,
+                                       (tmp_path / "device.pem").read_bytes(), (tmp_path / "device-key.pem").read_bytes())
+    # a certificate alone turns TLS on, trusting the system's CA certificates for the server's
+    assert load_edge_config(tls_cert=pem["device"], tls_key=pem["device-key"]).channel_tls().ca is None
+    assert load_edge_config(tls_ca=pem["ca"]).channel_tls().cert_chain is None  # no client certificate by default
+    for settings, says in ((dict(tls_cert=pem["device"]), "tls_cert and tls_key go together"),
+                           (dict(tls_key=pem["device-key"]), "tls_cert and tls_key go together"),
+                           (dict(tls_cert=pem["device"], tls_key=pem["other-key"]), "KEY_VALUES_MISMATCH"),
+                           (dict(tls_cert=pem["none"], tls_key=pem["device-key"]), "No such file"),
+                           (dict(tls=False, tls_cert=pem["device"], tls_key=pem["device-key"]),
+                            "tls is false but tls_cert is set")):
+        with pytest.raises(ValueError, match=says):
+            load_edge_config(**settings)
+
+
 def test_a_device_config_that_is_not_yaml_is_one_line_naming_where(tmp_path, capsys):
     from edge_client.cli import main
 

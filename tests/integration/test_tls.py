@@ -26,7 +26,13 @@ def pki(tmp_path_factory):
         cert = ca.issue_cert(*hosts)
         cert.cert_chain_pems[0].write_to_path(str(out / f"{name}.pem"))
         cert.private_key_pem.write_to_path(str(out / f"{name}-key.pem"))
-    trustme.CA().cert_pem.write_to_path(str(out / "other-ca.pem"))
+    stranger_ca = trustme.CA()
+    stranger_ca.cert_pem.write_to_path(str(out / "other-ca.pem"))
+    # devices' client certificates (mutual TLS): one the CA signed, one another CA signed
+    for name, issuer in (("device", ca), ("stranger", stranger_ca)):
+        cert = issuer.issue_cert(f"{name}-7")
+        cert.cert_chain_pems[0].write_to_path(str(out / f"{name}.pem"))
+        cert.private_key_pem.write_to_path(str(out / f"{name}-key.pem"))
     return out
 
 
@@ -89,6 +95,28 @@ def test_a_device_that_does_not_trust_the_certificate_or_speaks_plain_is_refused
         server.stop()
 
 
+def test_a_server_that_requires_client_certificates_serves_only_devices_with_one_it_trusts(tiny, tokenizer, pki,
+                                                                                           plain_text):
+    server = serve(tiny, pki, tls_client_ca=str(pki / "ca.pem"))
+    try:
+        device = TLS.load(pki / "ca.pem", cert_file=pki / "device.pem", key_file=pki / "device-key.pem")
+        result = greedy(server.address, tokenizer, device)
+        assert result.token_ids == plain_text and result.unverified_tokens == 0
+        hint = ("(a server that requires client certificates closes the connection this way where the device presents "
+                "none (tls_cert, tls_key) or one it does not trust)")
+        for refused in (TLS.load(pki / "ca.pem"),
+                        TLS.load(pki / "ca.pem", cert_file=pki / "stranger.pem", key_file=pki / "stranger-key.pem")):
+            t0 = time.monotonic()
+            with pytest.raises(VerifyError) as failed:
+                greedy(server.address, tokenizer, refused)
+            assert failed.value.code == "UNAVAILABLE" and f"Socket closed {hint}" in failed.value.message
+            assert time.monotonic() - t0 < 5
+        assert server.engine.metrics.sessions_opened == 1  # the refused devices never reached a session
+        assert greedy(server.address, tokenizer, device).token_ids == plain_text  # and the server goes on
+    finally:
+        server.stop()
+
+
 def test_a_server_reached_by_address_is_checked_against_the_name_given(tiny, tokenizer, pki, plain_text):
     server = serve(tiny, pki, cert="named")  # a certificate for sled.internal only, reached at 127.0.0.1
     try:
@@ -129,6 +157,21 @@ def test_sled_edge_info_over_tls(tiny, pki, capsys):
             err = capsys.readouterr().err
             assert err.startswith(f"sled-edge info: no answer from {server.address} within 1s (the last connection "
                                   "attempt: UNAVAILABLE: ") and says in err, err
+    finally:
+        server.stop()
+
+
+def test_sled_edge_info_with_a_client_certificate(tiny, pki, capsys):
+    from edge_client.cli import main
+
+    server = serve(tiny, pki, tls_client_ca=str(pki / "ca.pem"))
+    try:
+        mine = ["--tls-cert", str(pki / "device.pem"), "--tls-key", str(pki / "device-key.pem")]
+        assert main(["info", "--server", server.address, "--tls-ca", str(pki / "ca.pem"), *mine]) == 0
+        assert capsys.readouterr().out.startswith(f"server {server.address}\n  target: random:llama-tiny")
+        assert main(["info", "--server", server.address, "--timeout", "1", "--tls-ca", str(pki / "ca.pem")]) == 1
+        err = capsys.readouterr().err
+        assert "Socket closed (a server that requires client certificates closes the connection" in err, err
     finally:
         server.stop()
 

@@ -125,3 +125,24 @@ def test_tls_needs_a_certificate_and_its_own_key(tmp_path):
             load_config(**settings)
 
 
+def test_mutual_tls_needs_tls_and_a_readable_client_ca(tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert = ca.issue_cert("localhost")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    pem = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "cert", "key", "junk", "none")}
+    tls = dict(tls_cert=pem["cert"], tls_key=pem["key"])
+    assert load_config(**tls).tls_mode == " over TLS"
+    assert load_config(**tls, tls_client_ca=pem["ca"]).tls_mode == " over mutual TLS"
+    assert load_config().tls_mode == ""
+    for settings, says in ((dict(tls_client_ca=pem["ca"]), "tls_client_ca applies to TLS: give tls_cert and tls_key"),
+                           (dict(tls, tls_client_ca=pem["junk"]), f"tls_client_ca {pem['junk']}: cannot read CA"),
+                           (dict(tls, tls_client_ca=pem["none"]), "No such file")):
+        with pytest.raises(ValueError, match=says):
+            load_config(**settings)
+
+
