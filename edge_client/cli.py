@@ -144,6 +144,10 @@ def _add_serve(sub) -> None:
     _add_tls(p, overrides=True)
     p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="port of the local API, 0 picks a free one (default 8080)")
+    p.add_argument("--api-key", dest="http_api_key", metavar="KEY",
+                   help="the local API's /v1 routes take only requests with 'Authorization: Bearer KEY' (an OpenAI "
+                        "client's api_key); better set as http_api_key in --config, out of the process list "
+                        "(default: no key)")
     p.add_argument("--max-concurrent", type=int, help="local requests generating at once (default 4)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")

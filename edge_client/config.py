@@ -49,6 +49,9 @@ class EdgeConfig:
     round_timeout_s: float = 30.0
     http_host: str = "127.0.0.1"  # the local OpenAI-compatible API
     http_port: int = 8080
+    # When set, the local API's /v1 routes take only requests that carry it (`Authorization: Bearer KEY`, the
+    # OpenAI clients' api_key); /health stays open. None: no key asked (local apps on a loopback address).
+    http_api_key: str | None = None
     max_concurrent: int = 4  # local requests generating at once (each its own session and drafter)
     model_name: str = "sled"  # the id /v1/models reports
     default_max_tokens: int = 256
@@ -68,6 +71,8 @@ class EdgeConfig:
             raise ValueError(f"max_draft_tokens must be at least 1, got {self.max_draft_tokens}")
         if self.draft_tokens < 0 or self.gpu_layers < 0:
             raise ValueError("draft_tokens and gpu_layers must be >= 0")
+        if self.http_api_key is not None and not self.http_api_key.strip():
+            raise ValueError("http_api_key must not be empty: leave it unset for no key")
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
         if self.threads is not None and self.threads <= 0:

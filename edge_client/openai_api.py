@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -76,10 +78,49 @@ def _sled(c: Completion) -> dict:
     return {k: s[k] for k in keys}
 
 
+def api_key_check(key: str | None):
+    """aiohttp middleware: with a key, the /v1 routes answer 401 (OpenAI's error shape) to a request that does not
+    carry `Authorization: Bearer <key>`; /health stays open for liveness probes."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if key is not None and request.path.startswith("/v1/"):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            given = given.strip() if scheme.lower() == "bearer" else ""
+            if not given:
+                refused = "an API key is required: send it as 'Authorization: Bearer <key>' (the OpenAI client's api_key)"
+            elif not hmac.compare_digest(given.encode(), key.encode()):
+                refused = "the API key given is not this device agent's"
+            else:
+                refused = None
+            if refused is not None:
+                resp = _error(401, refused)
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return resp
+        return await handler(request)
+
+    return check
+
+
+def exposure_warning(config) -> str | None:
+    """A warning where the local API listens beyond this machine without a key, or None."""
+    if config.http_api_key is not None:
+        return None
+    try:
+        if ipaddress.ip_address(config.http_host).is_loopback:
+            return None
+    except ValueError:  # a host name
+        if config.http_host == "localhost":
+            return None
+    return (f"the local API on {config.http_host} takes requests from anyone who can reach it: set http_api_key "
+            "(or --api-key) to ask for a key")
+
+
 class OpenAIServer:
     def __init__(self, agent: Agent):
         self.agent = agent
-        self.app = web.Application(client_max_size=8 * 1024 * 1024)
+        self.app = web.Application(client_max_size=8 * 1024 * 1024,
+                                   middlewares=[api_key_check(agent.config.http_api_key)])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -228,7 +269,11 @@ async def serve(config) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     print(f"SLED device agent on http://{config.http_host}:{port}/v1 (verify server {config.server}"
-          f"{' over TLS' if config.uses_tls else ''}, drafter {config.drafter})", flush=True)
+          f"{' over TLS' if config.uses_tls else ''}, drafter {config.drafter}"
+          f"{', API key required' if config.http_api_key is not None else ''})", flush=True)
+    warning = exposure_warning(config)
+    if warning:
+        log.warning(warning)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

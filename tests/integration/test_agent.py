@@ -3,6 +3,7 @@
 import json
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -110,3 +111,35 @@ def test_concurrent_requests_share_one_channel_each_its_own_session(agent, token
     assert server.engine.metrics.sessions_opened - opened_before == 4
     peers = list(server.server.servicer.recent_peers)[-4:]
     assert len(set(peers)) == 1  # one gRPC connection carries them all
+
+
+def test_a_daemon_with_an_api_key_serves_only_requests_that_carry_it(make_server, tmp_path, tokenizer,
+                                                                     reference_greedy):
+    from openai import AuthenticationError
+
+    server = make_server()
+    cfg = tmp_path / "device.yaml"
+    cfg.write_text(f"server: {server.address}\ncontext_size: 1024\nhttp_port: 0\nhttp_api_key: k-7f3a\n")
+    proc = subprocess.Popen([BIN / "sled-edge", "serve", "--config", str(cfg), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.rstrip().endswith(", API key required)"), line
+        base = line.split("on ", 1)[1].split(" ", 1)[0]
+        with pytest.raises(AuthenticationError) as refused:  # a wrong key
+            OpenAI(base_url=base, api_key="unused", max_retries=0).completions.create(model="m", prompt="hi")
+        assert refused.value.status_code == 401
+        with pytest.raises(urllib.error.HTTPError) as refused:  # none at all
+            urllib.request.urlopen(base + "/models")
+        assert refused.value.code == 401 and json.load(refused.value)["error"]["message"].startswith(
+            "an API key is required")
+        assert server.engine.metrics.sessions_opened == 0
+        with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as resp:  # liveness probes need no key
+            assert json.load(resp)["status"] == "ok"
+        prompt = PROMPTS[6]
+        r = OpenAI(base_url=base, api_key="k-7f3a").completions.create(model="m", prompt=prompt, max_tokens=16,
+                                                                     temperature=0)
+        assert r.choices[0].text == want_text(tokenizer, reference_greedy, tokenizer.encode(prompt), 16)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
