@@ -86,7 +86,10 @@ class Agent:
         return await self._idle.get()
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, stops: list[str],
-                       on_text: Callable[[str, bool], None] | None = None) -> Completion:
+                       on_text: Callable[[str, bool], None] | None = None,
+                       gone: Callable[[], bool] | None = None) -> Completion:
+        """One request's generation. `gone`: whether the app that asked has gone away (its connection closed):
+        checked every round, it ends the generation there (finish reason stop), its session closed."""
         if len(prompt_ids) + max_tokens > self.config.context_size:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                              f"device context of {self.config.context_size} tokens")
@@ -108,7 +111,8 @@ class Agent:
                                         draft_ahead=self.config.draft_ahead, controller=controller,
                                         confidence_stop=self.config.confidence_stop,
                                         client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
-                                        should_stop=lambda: stop.hit, on_status=log.warning)
+                                        should_stop=lambda: stop.hit or (gone is not None and gone()),
+                                        on_status=log.warning)
             finally:
                 self.active -= 1
                 self.served += 1

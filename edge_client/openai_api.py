@@ -187,9 +187,13 @@ class OpenAIServer:
         created = int(time.time())
         model = self.agent.config.model_name
         obj = "chat.completion" if chat else "text_completion"
+
+        def gone() -> bool:  # the app closed its connection: nobody to answer, the drafter slot is wanted
+            return request.transport is None or request.transport.is_closing()
+
         if not stream:
             try:
-                c = await self.agent.complete(prompt_ids, sampling, max_tokens, stops)
+                c = await self.agent.complete(prompt_ids, sampling, max_tokens, stops, gone=gone)
             except ValueError as err:
                 return _error(400, str(err))
             except VerifyError as err:
@@ -223,7 +227,8 @@ class OpenAIServer:
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             queue.put_nowait(first)
         task = asyncio.create_task(self.agent.complete(
-            prompt_ids, sampling, max_tokens, stops, on_text=lambda t, ok: queue.put_nowait(event(t, ok))))
+            prompt_ids, sampling, max_tokens, stops, on_text=lambda t, ok: queue.put_nowait(event(t, ok)),
+            gone=gone))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while True:

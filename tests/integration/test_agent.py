@@ -143,3 +143,30 @@ def test_a_daemon_with_an_api_key_serves_only_requests_that_carry_it(make_server
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_a_request_whose_app_went_away_stops_generating(agent):
+    import http.client
+    import socket
+    import time
+
+    from tests.conftest import all_freed
+
+    server, base, _ = agent
+    host, port = base.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=1.5)
+    body = json.dumps({"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 800, "temperature": 0})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    with pytest.raises(socket.timeout):  # 800 tokens take far longer here: the app gives up and closes
+        conn.getresponse()
+    conn.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as resp:
+            if json.load(resp)["active_requests"] == 0:
+                break
+        time.sleep(0.1)
+    assert all_freed(server)  # the server's session closed with it
+    emitted = server.engine.metrics.emitted_tokens
+    # it stopped at the round after the app left (about 60 tokens here), not at the text's end (499 tokens, EOS)
+    assert 0 < emitted < 250, emitted
