@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--onnx-model", help="ONNX draft to use (default: export the full model, int8, to a temp dir)")
     ap.add_argument("--requantized", default="q2_k", metavar="TYPES",
                     help="comma-separated quantizations the Q4_1 drafter is requantized to, one row each, e.g. "
-                         "q2_k,q4_0,q8_0: a weaker drafter (q2_k), or another format to draft in (default q2_k)")
+                         "q2_k,q4_0,q8_0,iq4_nl: a weaker drafter (q2_k), or another format to draft in (default q2_k)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     args = ap.parse_args()

@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 from edge_client.models import quiet_native_stderr, resolve_model_path  # noqa: E402
 
 TYPES = {"q2_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, "q3_k_s": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_S,
-         "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+         "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+         "iq4_nl": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL}
 
 
 def requantize(source: str | Path | None, output: Path, kind: str = "q2_k", threads: int = 2) -> Path:
