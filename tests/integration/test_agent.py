@@ -146,7 +146,6 @@ def test_a_daemon_with_an_api_key_serves_only_requests_that_carry_it(make_server
 
 
 def test_a_request_whose_app_went_away_stops_generating(agent):
-    import http.client
     import socket
     import time
 
@@ -154,12 +153,15 @@ def test_a_request_whose_app_went_away_stops_generating(agent):
 
     server, base, _ = agent
     host, port = base.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=1.5)
-    body = json.dumps({"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 800, "temperature": 0})
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    with pytest.raises(socket.timeout):  # 800 tokens take far longer here: the app gives up and closes
-        conn.getresponse()
-    conn.close()
+    body = json.dumps({"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 800, "temperature": 0}).encode()
+    app = socket.create_connection((host, int(port)))
+    app.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 30
+    while server.engine.metrics.emitted_tokens == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.metrics.emitted_tokens > 0  # generating: now the app gives up and closes
+    app.close()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as resp:
@@ -167,6 +169,6 @@ def test_a_request_whose_app_went_away_stops_generating(agent):
                 break
         time.sleep(0.1)
     assert all_freed(server)  # the server's session closed with it
+    # it stopped at the round after the app left (a few rounds here), not at the text's end (499 tokens, EOS)
     emitted = server.engine.metrics.emitted_tokens
-    # it stopped at the round after the app left (about 60 tokens here), not at the text's end (499 tokens, EOS)
-    assert 0 < emitted < 250, emitted
+    assert emitted < 250, emitted
