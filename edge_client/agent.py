@@ -55,6 +55,10 @@ class StopTexts:
         return out
 
 
+class AgentBusy(Exception):
+    """Every slot is generating and max_queued requests already wait for one."""
+
+
 class Agent:
     def __init__(self, config: EdgeConfig):
         self.config = config
@@ -73,6 +77,7 @@ class Agent:
         self._made = 1
         self._slots = asyncio.Semaphore(config.max_concurrent)
         self.active = 0
+        self.waiting = 0  # requests waiting for a slot
         self.served = 0
 
     def _controller(self) -> AdaptiveDraftLength:
@@ -84,6 +89,14 @@ class Agent:
             self._made += 1
             return await asyncio.to_thread(create_drafter, self.config.drafter, self._options), self._controller()
         return await self._idle.get()
+
+    def busy(self) -> str | None:
+        """Why a new request would be turned away now (every slot generating, max_queued waiting), or None."""
+        if not (self._slots.locked() and self.waiting >= self.config.max_queued):
+            return None
+        return (f"the device agent is busy: {self.active} requests generating (max_concurrent "
+                f"{self.config.max_concurrent}) and {self.waiting} waiting (max_queued {self.config.max_queued}); "
+                "retry later")
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, stops: list[str],
                        on_text: Callable[[str, bool], None] | None = None,
@@ -100,7 +113,15 @@ class Agent:
             if out and on_text is not None:
                 on_text(out, verified)
 
-        async with self._slots:
+        busy = self.busy()
+        if busy:
+            raise AgentBusy(busy)
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        try:
             drafter, controller = await self._drafter()
             self.active += 1
             try:
@@ -117,6 +138,8 @@ class Agent:
                 self.active -= 1
                 self.served += 1
                 self._idle.put_nowait((drafter, controller))
+        finally:
+            self._slots.release()
         tail = stop.flush()
         if tail and on_text is not None:
             on_text(tail, True)

@@ -149,6 +149,8 @@ def _add_serve(sub) -> None:
                         "client's api_key); better set as http_api_key in --config, out of the process list "
                         "(default: no key)")
     p.add_argument("--max-concurrent", type=int, help="local requests generating at once (default 4)")
+    p.add_argument("--max-queued", type=int,
+                   help="local requests waiting for one of those; past them a request gets 503 at once (default 64)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
 

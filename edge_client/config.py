@@ -53,6 +53,7 @@ class EdgeConfig:
     # OpenAI clients' api_key); /health stays open. None: no key asked (local apps on a loopback address).
     http_api_key: str | None = None
     max_concurrent: int = 4  # local requests generating at once (each its own session and drafter)
+    max_queued: int = 64  # local requests waiting for one of those; past them a request is answered 503 at once
     model_name: str = "sled"  # the id /v1/models reports
     default_max_tokens: int = 256
 
@@ -67,6 +68,8 @@ class EdgeConfig:
         for name in ("context_size", "max_concurrent", "default_max_tokens", "wait_deadline_s", "round_timeout_s"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be at least 1, got {self.max_draft_tokens}")
         if self.draft_tokens < 0 or self.gpu_layers < 0:

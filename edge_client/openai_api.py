@@ -13,7 +13,7 @@ import uuid
 
 from aiohttp import web
 
-from .agent import Agent, Completion
+from .agent import Agent, AgentBusy, Completion
 from .sampling import SamplingParams
 from .transport import VerifyError
 
@@ -27,6 +27,12 @@ class BadRequest(Exception):
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
                              status=status)
+
+
+def _busy(err: Exception) -> web.Response:
+    resp = _error(503, str(err), "server_error")
+    resp.headers["Retry-After"] = "1"
+    return resp
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
@@ -187,6 +193,9 @@ class OpenAIServer:
         created = int(time.time())
         model = self.agent.config.model_name
         obj = "chat.completion" if chat else "text_completion"
+        busy = self.agent.busy()
+        if busy:  # before a stream's headers: a 503, not an error inside a 200 stream
+            return _busy(busy)
 
         def gone() -> bool:  # the app closed its connection: nobody to answer, the drafter slot is wanted
             return request.transport is None or request.transport.is_closing()
@@ -194,6 +203,8 @@ class OpenAIServer:
         if not stream:
             try:
                 c = await self.agent.complete(prompt_ids, sampling, max_tokens, stops, gone=gone)
+            except AgentBusy as err:
+                return _busy(err)
             except ValueError as err:
                 return _error(400, str(err))
             except VerifyError as err:
@@ -242,7 +253,7 @@ class OpenAIServer:
                 if (body.get("stream_options") or {}).get("include_usage"):
                     final["usage"] = _usage(c)
                 await resp.write(f"data: {json.dumps(final)}\n\n".encode())
-            except (VerifyError, ValueError) as err:
+            except (VerifyError, ValueError, AgentBusy) as err:
                 await resp.write(f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
                                  .encode())
             await resp.write(b"data: [DONE]\n\n")
@@ -259,7 +270,7 @@ class OpenAIServer:
         reachable = await self.agent.server_reachable()
         return web.json_response({"status": "ok", "server": self.agent.config.server, "server_reachable": reachable,
                                   "drafter": self.agent.config.drafter, "active_requests": self.agent.active,
-                                  "served_requests": self.agent.served})
+                                  "waiting_requests": self.agent.waiting, "served_requests": self.agent.served})
 
 
 async def serve(config) -> None:

@@ -134,3 +134,9 @@ def test_a_device_config_that_is_not_yaml_is_one_line_naming_where(tmp_path, cap
     assert main(["serve", "--config", str(f)]) == 2
     assert capsys.readouterr().err == (f"sled-edge serve: {f}, line 2, column 1: not valid YAML (found character "
                                        "'\\t' that cannot start any token)\n")
+
+
+def test_max_queued_may_be_zero_but_not_negative():
+    assert load_edge_config(max_queued=0).max_queued == 0  # no waiting: a request past max_concurrent is refused
+    with pytest.raises(ValueError, match="max_queued must be >= 0, got -1"):
+        load_edge_config(max_queued=-1)

@@ -172,3 +172,56 @@ def test_a_request_whose_app_went_away_stops_generating(agent):
     # it stopped at the round after the app left (a few rounds here), not at the text's end (499 tokens, EOS)
     emitted = server.engine.metrics.emitted_tokens
     assert emitted < 250, emitted
+
+
+def test_a_request_past_max_queued_is_answered_503_at_once(make_server, tmp_path):
+    import socket
+    import time
+
+    server = make_server()
+    cfg = tmp_path / "device.yaml"
+    cfg.write_text(f"server: {server.address}\ndrafter: ngram\ncontext_size: 1024\nhttp_port: 0\n"
+                   "max_concurrent: 1\nmax_queued: 1\n")
+    proc = subprocess.Popen([BIN / "sled-edge", "serve", "--config", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = proc.stdout.readline().split("on ", 1)[1].split(" ", 1)[0]
+    host, port = base.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+
+    def health():
+        with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as resp:
+            return json.load(resp)
+
+    def ask(max_tokens, stream=False):  # a raw connection: the test closes it to end the request
+        body = json.dumps({"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": max_tokens, "temperature": 0,
+                           "stream": stream}).encode()
+        app = socket.create_connection((host, int(port)))
+        app.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        return app
+
+    def until(check):
+        deadline = time.monotonic() + 30
+        while not check() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert check()
+
+    try:
+        generating = ask(400)
+        until(lambda: health()["active_requests"] == 1)
+        waiting = ask(400)
+        until(lambda: health()["waiting_requests"] == 1)
+        for stream in (False, True):
+            app = ask(8, stream)
+            app.settimeout(10)
+            answer = app.recv(65536).decode()
+            app.close()
+            assert answer.startswith("HTTP/1.1 503") and "Retry-After: 1" in answer, answer
+            assert ("the device agent is busy: 1 requests generating (max_concurrent 1) and 1 waiting (max_queued 1); "
+                    "retry later") in answer
+        generating.close()
+        waiting.close()
+        until(lambda: health()["active_requests"] == 0 and health()["waiting_requests"] == 0)
+        assert health()["served_requests"] == 2  # the refused ones never took a slot
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
