@@ -29,8 +29,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
                              status=status)
 
 
-def _busy(err: Exception) -> web.Response:
-    resp = _error(503, str(err), "server_error")
+def _busy(message: str) -> web.Response:
+    resp = _error(503, message, "server_error")
     resp.headers["Retry-After"] = "1"
     return resp
 
@@ -194,7 +194,7 @@ class OpenAIServer:
         model = self.agent.config.model_name
         obj = "chat.completion" if chat else "text_completion"
         busy = self.agent.busy()
-        if busy:  # before a stream's headers: a 503, not an error inside a 200 stream
+        if busy:  # before a stream's headers: a 503, not an error inside a 200 stream; complete() checks it again
             return _busy(busy)
 
         def gone() -> bool:  # the app closed its connection: nobody to answer, the drafter slot is wanted
@@ -203,8 +203,6 @@ class OpenAIServer:
         if not stream:
             try:
                 c = await self.agent.complete(prompt_ids, sampling, max_tokens, stops, gone=gone)
-            except AgentBusy as err:
-                return _busy(err)
             except ValueError as err:
                 return _error(400, str(err))
             except VerifyError as err:

@@ -41,11 +41,13 @@ class VerifyError(Exception):
 
     def hinted(self, tls: bool) -> "VerifyError":
         """This error, with a hint where the likely cause is TLS on one side only (gRPC's own words do not say so)."""
-        if self.code == "UNAVAILABLE" and not tls and "Socket closed" in self.message:
+        if self.code != "UNAVAILABLE":
+            return self
+        if not tls and "Socket closed" in self.message:
             hint = "a server that speaks TLS closes a plain connection this way: if it does, set tls (--tls)"
-        elif self.code == "UNAVAILABLE" and tls and "WRONG_VERSION_NUMBER" in self.message:
+        elif tls and "WRONG_VERSION_NUMBER" in self.message:
             hint = "the server does not seem to speak TLS: if so, leave tls off"
-        elif self.code == "UNAVAILABLE" and tls and "Socket closed" in self.message:
+        elif tls and "Socket closed" in self.message:
             # TLS 1.3: the server checks the device's certificate after the device has finished its handshake, so
             # a missing or untrusted one only closes the connection
             hint = ("a server that requires client certificates closes the connection this way where the device "
