@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/sled/v1/*.proto)
-PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py)
+PROTO_GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 
 .PHONY: help install proto test test-fast demo simulate bench clean
 
@@ -39,8 +39,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP) proto
 
-protos/sled/v1/%_pb2.py: protos/sled/v1/%.proto $(STAMP)
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $<
+# Generated into the sled package (sled/v1/), beside the wire rules; build output, never edited.
+sled/v1/%_pb2.py: protos/sled/v1/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 proto: $(PROTO_GEN)
 
@@ -60,4 +61,4 @@ bench: install
 	$(PY) scripts/bench_first.py
 
 clean:
-	rm -rf $(VENV) protos/sled/v1/*_pb2*.py protos/sled/v1/*_pb2.pyi .pytest_cache
+	rm -rf $(VENV) sled/v1/*_pb2*.py sled/v1/*_pb2.pyi .pytest_cache

@@ -63,7 +63,7 @@ class Agent:
     def __init__(self, config: EdgeConfig):
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer or config.draft_model)
-        self.client = VerifierClient(config.server, config.auth_token, tls=config.channel_tls())
+        self.client = VerifierClient(config.server, config.token(), tls=config.channel_tls())
         self.resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                                      round_timeout_s=config.round_timeout_s)
         self._options = DrafterOptions(model_path=config.draft_model, onnx_model=config.onnx_model,
@@ -79,6 +79,7 @@ class Agent:
         self.active = 0
         self.waiting = 0  # requests waiting for a slot
         self.served = 0
+        self._server_context: int | None = None  # the verify server's context limit, once asked
 
     def _controller(self) -> AdaptiveDraftLength:
         return AdaptiveDraftLength.for_device(self.config.max_draft_tokens, self.config.draft_ahead,
@@ -103,9 +104,7 @@ class Agent:
                        gone: Callable[[], bool] | None = None) -> Completion:
         """One request's generation. `gone`: whether the app that asked has gone away (its connection closed):
         checked every round, it ends the generation there (finish reason stop), its session closed."""
-        if len(prompt_ids) + max_tokens > self.config.context_size:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                             f"device context of {self.config.context_size} tokens")
+        self._check_device_fits(len(prompt_ids), max_tokens)
         stop = StopTexts(stops)
 
         def piece(text: str, verified: bool) -> None:
@@ -144,6 +143,24 @@ class Agent:
         if tail and on_text is not None:
             on_text(tail, True)
         return Completion(result, stop.text, "stop" if stop.hit else (result.finish_reason or "stop"))
+
+    def _check_device_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.config.context_size:
+            raise ValueError(f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"device context of {self.config.context_size} tokens")
+
+    async def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError where the prompt cannot be served: past the device's context, or a prompt the server's
+        context cannot hold (its limit asked once, where the server answers)."""
+        self._check_device_fits(prompt_tokens, max_tokens)
+        if self._server_context is None:
+            try:
+                self._server_context = (await asyncio.wait_for(self.client.info(timeout=1.5), 3.0)).context_limit
+            except Exception:  # noqa: BLE001 - unknown for now: the server's own refusal then says it
+                return
+        if prompt_tokens >= self._server_context:
+            raise ValueError(f"prompt of {prompt_tokens} tokens is over the verify server's context of "
+                             f"{self._server_context} tokens")
 
     async def server_reachable(self) -> bool:
         try:

@@ -29,6 +29,22 @@ def _add_server(p) -> None:
                    help="verify server address (default 127.0.0.1:50051)")
 
 
+def _add_token(p) -> None:
+    p.add_argument("--auth-token", help="bearer token the server requires, if any; it shows in the process list, so "
+                                        "prefer --auth-token-file or SLED_AUTH_TOKEN in the environment")
+    p.add_argument("--auth-token-file", metavar="FILE", help="a file whose first line is the bearer token")
+
+
+def _token(args) -> str | None:
+    """generate's token: --auth-token, the first line of --auth-token-file, or SLED_AUTH_TOKEN."""
+    from sled.settings import TOKEN_ENV, check_token, read_token_file
+
+    check_token(args.auth_token, args.auth_token_file)
+    if args.auth_token_file is not None:
+        return read_token_file(args.auth_token_file)
+    return args.auth_token or os.environ.get(TOKEN_ENV) or None
+
+
 def _add_tls(p, overrides: bool = False) -> None:
     """The TLS flags; `overrides`: they override a config file's settings (serve, workload), so --no-tls exists."""
     if overrides:
@@ -102,7 +118,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--gpu-layers", type=int, default=0, help="llama.cpp layers offloaded to a GPU (default 0)")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True,
                    help="llama.cpp flash attention: faster drafting, slightly different drafter logits (default on)")
-    p.add_argument("--auth-token", help="bearer token the server requires, if any")
+    _add_token(p)
     _add_tls(p)
     p.add_argument("--fallback", choices=["wait", "local", "fail"], default="wait",
                    help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
@@ -141,6 +157,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
                    help="llama.cpp flash attention (default on)")
     p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
+    _add_token(p)
     _add_tls(p, overrides=True)
     p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="port of the local API, 0 picks a free one (default 8080)")
@@ -168,6 +185,7 @@ def _add_workload(sub) -> None:
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model")
     p.add_argument("--threads", type=int, help="drafter threads")
+    _add_token(p)
     _add_tls(p, overrides=True)
     p.add_argument("--requests", type=int, default=4, help="requests to run (default 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
@@ -325,7 +343,7 @@ async def _generate(args) -> dict:
     if args.chat:
         text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
-    client = VerifierClient(args.server, args.auth_token, tls=tls)
+    client = VerifierClient(args.server, _token(args), tls=tls)
 
     def show(piece: str, verified: bool) -> None:
         sys.stdout.write(piece)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from sled.settings import check_token, load_settings, read_token_file
 
 from .generation import FALLBACKS
 from .transport import TLS, read_ca, read_client_pair
@@ -34,7 +34,8 @@ class EdgeConfig:
     # the agreement.
     flash_attn: bool = True
     context_size: int = 4096  # drafter context
-    auth_token: str | None = None  # the verify server's bearer token
+    auth_token: str | None = None  # the verify server's bearer token (or SLED_AUTH_TOKEN in the environment)
+    auth_token_file: str | None = None  # a file whose first line is that token, to keep it out of the config
     # TLS to the verify server: on when tls is true, or when it is unset and tls_ca or tls_cert is set; tls_ca: the
     # PEM CA certificates to trust (None: the system's); tls_server_name: the name the server's certificate carries
     # where the server's address does not (an IP address); tls_cert and tls_key: this device's PEM certificate chain
@@ -68,6 +69,7 @@ class EdgeConfig:
         for name in ("context_size", "max_concurrent", "default_max_tokens", "wait_deadline_s", "round_timeout_s"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        check_token(self.auth_token, self.auth_token_file)
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.max_draft_tokens < 1:
@@ -96,6 +98,10 @@ class EdgeConfig:
         if self.tls_cert is not None:
             read_client_pair(self.tls_cert, self.tls_key)
 
+    def token(self) -> str | None:
+        """The bearer token to send: auth_token, or the first line of auth_token_file."""
+        return read_token_file(self.auth_token_file) if self.auth_token_file is not None else self.auth_token
+
     @property
     def uses_tls(self) -> bool:
         # tls false with tls_ca or tls_cert is refused above
@@ -108,9 +114,6 @@ class EdgeConfig:
         return TLS.load(self.tls_ca, self.tls_server_name, self.tls_cert, self.tls_key)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(EdgeConfig)}
-
-
 def check_server(address: str) -> str:
     """A verify server's HOST:PORT, checked: gRPC would take a missing port as 443."""
     host, _, port = address.rpartition(":")
@@ -119,35 +122,8 @@ def check_server(address: str) -> str:
     return address
 
 
-def load_edge_config(path: str | Path | None = None, **overrides: Any) -> EdgeConfig:
-    """Read YAML (if given; a top-level `device:` section is accepted), apply non-None overrides, check."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except yaml.YAMLError as err:  # PyYAML's message spans five lines
-            mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
-            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ValueError(f"{path}{where}: not valid YAML ({problem or ' '.join(str(err).split())})") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
-        values.update(loaded["device"] if isinstance(loaded.get("device"), dict) else loaded)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(values) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"unknown device settings {unknown}; known: {sorted(FIELDS)}")
-    for name, value in list(values.items()):
-        kind = FIELDS[name].type
-        if value is None:
-            continue
-        if kind.startswith("bool") and not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
-        if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-        if kind.startswith("float"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            values[name] = float(value)
-        if kind.startswith("str") and not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {value!r}")
-    return EdgeConfig(**values)
+def load_edge_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                     **overrides: Any) -> EdgeConfig:
+    """Read YAML (if given; a top-level `device:` section is accepted), apply non-None overrides, check. Where
+    neither sets a token it may come from SLED_AUTH_TOKEN (`env`, os.environ by default)."""
+    return load_settings(EdgeConfig, path, "device", overrides, env)

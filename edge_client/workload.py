@@ -34,7 +34,7 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
     drafter = create_drafter(config.drafter, DrafterOptions(
         model_path=config.draft_model, onnx_model=config.onnx_model, threads=config.threads,
         gpu_layers=config.gpu_layers, flash_attn=config.flash_attn, context_size=config.context_size))
-    client = VerifierClient(config.server, config.auth_token, tls=config.channel_tls())
+    client = VerifierClient(config.server, config.token(), tls=config.channel_tls())
     resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
                             round_timeout_s=config.round_timeout_s)
     controller = AdaptiveDraftLength.for_device(config.max_draft_tokens, config.draft_ahead,  # kept across requests
@@ -83,7 +83,8 @@ def main_workload(args) -> int:
 
     try:
         config = load_edge_config(args.config, server=args.server, drafter=args.drafter, draft_model=args.draft_model,
-                                  onnx_model=args.onnx_model, threads=args.threads, tls=args.tls, tls_ca=args.tls_ca,
+                                  onnx_model=args.onnx_model, threads=args.threads, auth_token=args.auth_token,
+                                  auth_token_file=args.auth_token_file, tls=args.tls, tls_ca=args.tls_ca,
                                   tls_server_name=args.tls_server_name, tls_cert=args.tls_cert,
                                   tls_key=args.tls_key)
         summary = asyncio.run(run_workload(config, args.requests, args.max_tokens, args.name, args.offset,

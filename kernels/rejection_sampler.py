@@ -63,8 +63,9 @@ def target_probs(
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-    drop = mass_before >= top_p.unsqueeze(-1)
+    # Keep the smallest prefix whose mass reaches top_p; the first token always stays. A row with top_p = 1 keeps
+    # every token: its float32 running sum can reach 1 before its tail does.
+    drop = (mass_before >= top_p.unsqueeze(-1)) & (top_p.unsqueeze(-1) < 1.0)
     drop[:, 0] = False
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)

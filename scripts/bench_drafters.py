@@ -22,7 +22,8 @@ from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
 from edge_client.generation import generate  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
-from scripts.benchutil import ServerProcess, machine, publish  # noqa: E402
+from bench.processes import ServerProcess  # noqa: E402
+from bench.report import machine, publish  # noqa: E402
 
 REPETITIVE = [
     "Repeat this sentence five times, one per line: The quick brown fox jumps over the lazy dog.",

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchutil import copy_bandwidth, machine, publish  # noqa: E402
+from bench.report import copy_bandwidth, machine, publish  # noqa: E402
 
 MARKER = "## Engine speed: decode step at batch 1"
 

@@ -24,7 +24,9 @@ from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.tokenizer import Tokenizer  # noqa: E402
 from edge_client.transport import VerifierClient  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import ServerProcess, counts_arg, machine, publish  # noqa: E402
+from bench.cli import counts_arg  # noqa: E402
+from bench.processes import ServerProcess  # noqa: E402
+from bench.report import machine, publish  # noqa: E402
 
 
 def first_table(rows: list[dict], counts: list[int]) -> str:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench_system import drafting_bound, ratio  # noqa: E402
-from scripts.benchutil import machine, publish  # noqa: E402
+from bench.report import machine, publish  # noqa: E402
 
 MARKER = "## The fused CPU step and the SLED / server-only margin"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchutil import machine, publish  # noqa: E402
+from bench.report import machine, publish  # noqa: E402
 
 MARKER = "## Fused CPU step: builds side by side"
 

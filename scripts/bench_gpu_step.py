@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchutil import copy_bandwidth, gpu_name, machine, publish  # noqa: E402
+from bench.report import copy_bandwidth, gpu_name, machine, publish  # noqa: E402
 
 MARKER = "## GPU step: per-segment attention against one padded call"
 

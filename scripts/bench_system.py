@@ -94,8 +94,10 @@ from edge_client.generation import EMPTY_AFTER_MISS, generate  # noqa: E402
 from edge_client.sampling import SamplingParams  # noqa: E402
 from edge_client.transport import VerifierClient, fetch_info  # noqa: E402
 from edge_client.workload import QUESTIONS  # noqa: E402
-from scripts.benchutil import (ServerProcess, counts_arg, cpu_counters, device_tokenizer, gpu_name, machine,  # noqa: E402
-                               publish, stolen_share)
+from bench.cli import counts_arg  # noqa: E402
+from bench.processes import ServerProcess  # noqa: E402
+from bench.report import cpu_counters, gpu_name, machine, publish, stolen_share  # noqa: E402
+from bench.tokenizers import device_tokenizer  # noqa: E402
 from scripts.linkemu import LinkProcess, LinkSpec  # noqa: E402
 
 

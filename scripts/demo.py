@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ports import free_port  # noqa: E402
+from bench.processes import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROMPTS = [

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT / "protos"))
 from edge_client.drafters import create_drafter  # noqa: E402
 from scripts.bench_system import (ReplayDrafter, greedy_outputs, prompts, run_window, server_flags,  # noqa: E402
                                   summarize, synthesize_tables)
-from scripts.benchutil import ServerProcess, device_tokenizer  # noqa: E402
+from bench.processes import ServerProcess  # noqa: E402
+from bench.tokenizers import device_tokenizer  # noqa: E402
 
 
 def summarize_stacks(path: Path, top: int = 6) -> str:

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from edge_client.adaptive import AdaptiveDraftLength, RoundSample  # noqa: E402
 from scripts.bench_system import K_MAX, prompts, record_tables  # noqa: E402
-from scripts.benchutil import ServerProcess, device_tokenizer  # noqa: E402
+from bench.processes import ServerProcess  # noqa: E402
+from bench.tokenizers import device_tokenizer  # noqa: E402
 
 MODELS = {"cpu-server": (0.006, 0.0, 0.0035), "device-bound": (0.030, 0.016, 0.0)}  # round s, draft s/token, c
 

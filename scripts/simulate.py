@@ -28,11 +28,11 @@ from pathlib import Path
 
 import yaml
 
-from verify_server.config import yaml_error
+from sled.settings import yaml_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linkemu import LinkEmulator, LinkSpec  # noqa: E402
-from ports import free_ports  # noqa: E402
+from bench.processes import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -120,6 +120,25 @@ def tiny_server(tiny):
     server.stop()
 
 
+@pytest.fixture
+def make_tiny_server(tiny):
+    """Start servers of the tiny random target with any settings; stopped after the test."""
+    started = []
+
+    def make(**settings):
+        from verify_server.config import ServerConfig
+
+        base = dict(host="127.0.0.1", port=0, max_sessions=8, max_seq_len=256, seed=0, target="random:llama-tiny")
+        base.update(settings)
+        server = ServerThread(ServerConfig(**base), tiny).load()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from edge_client.tokenizer import Tokenizer

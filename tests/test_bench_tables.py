@@ -129,7 +129,7 @@ def test_no_stolen_counts_give_no_stolen_line():
 
 
 def test_stolen_share_is_the_steal_ticks_over_all_ticks_between_two_readings():
-    from scripts.benchutil import cpu_counters, stolen_share
+    from bench.report import cpu_counters, stolen_share
 
     now = cpu_counters()
     assert now is None or (0 <= now[0] <= now[1])  # Linux: (steal, total) in ticks

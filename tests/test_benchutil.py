@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from scripts.benchutil import counts_arg
+from bench.cli import counts_arg
 
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from scripts.benchutil import exit_on_sigterm
+from bench.processes import exit_on_sigterm
 if {install}:
     exit_on_sigterm()
 try:
@@ -45,7 +45,7 @@ def test_sigterm_runs_finally_blocks_with_the_handler_and_not_without(tmp_path):
 
 
 def test_rewriting_a_section_names_the_hand_notes_it_drops(tmp_path, capsys):
-    from scripts.benchutil import replace_section
+    from bench.report import replace_section
 
     md = tmp_path / "benchmarks.md"
     note = "- note, added after the run: the second pass ran on a slower host"

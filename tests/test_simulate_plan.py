@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import scripts.ports as ports
+import bench.processes as ports
 import scripts.simulate as simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, help=f"context tokens per session (default {d.max_seq_len})")
     p.add_argument("--max-batch-sessions", type=int, help=f"verifications per step (default {d.max_batch_sessions})")
     p.add_argument("--max-batch-tokens", type=int, help=f"tokens per step, drafts plus prefill (default {d.max_batch_tokens})")
+    p.add_argument("--prefill-chunk-tokens", type=int, metavar="N",
+                   help="prompt tokens prefilled in a step while other sessions decode, so a long prompt is prefilled "
+                        "over several steps (default: as many as add about half a step's fixed cost)")
     p.add_argument("--max-wait-ms", type=float, help=f"longest a draft waits for others to join its step (default {d.max_wait_ms})")
     p.add_argument("--max-draft-tokens", type=int, help=f"longest draft accepted (default {d.max_draft_tokens})")
     p.add_argument("--max-draft-top-k", type=int, help=f"largest sparse draft distribution per token (default {d.max_draft_top_k})")
@@ -40,7 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of shared prompt prefixes (a system prompt) whose KV is kept for new sessions, so "
                         f"they are not prefilled again; 0 turns it off (default {d.prefix_cache_tokens})")
     p.add_argument("--idle-timeout-s", type=float, help=f"free a session after this many idle seconds (default {d.idle_timeout_s:g})")
-    p.add_argument("--auth-token", help="require this bearer token in every Open (default: none)")
+    p.add_argument("--auth-token", help="require this bearer token in every Open; it shows in the process list, so "
+                                        "prefer --auth-token-file or SLED_AUTH_TOKEN (default: none)")
+    p.add_argument("--auth-token-file", metavar="FILE", help="a file whose first line is the bearer token")
+    p.add_argument("--auth-tokens-file", metavar="FILE",
+                   help="per-device credentials, one line NAME:SHA256HEX per device (the hex SHA-256 of its token): "
+                        "devices are named in logs and metrics, and one left out of the file is refused at its next "
+                        "Open once the server gets SIGHUP (default: none)")
+    p.add_argument("--max-sessions-per-device", type=int, metavar="N",
+                   help="sessions one device may hold at once; past it an Open is refused (default 0: no limit)")
     p.add_argument("--tls-cert", metavar="FILE",
                    help="PEM certificate chain: with --tls-key the port speaks TLS only (default: plain)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")

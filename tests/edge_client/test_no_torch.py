@@ -1,4 +1,5 @@
-"""The device side must install on a Raspberry Pi: it never imports torch or transformers."""
+"""The device side must install on a Raspberry Pi: neither it nor the shared layer (sled) imports torch or
+transformers."""
 
 import ast
 import subprocess
@@ -6,13 +7,19 @@ import sys
 from pathlib import Path
 
 import edge_client
+import sled
 
-ROOT = Path(edge_client.__file__).parent
-FORBIDDEN = {"torch", "transformers", "verify_server", "kernels"}
+ROOTS = [Path(edge_client.__file__).parent, Path(sled.__file__).parent]
+FORBIDDEN = {"torch", "transformers", "verify_server", "kernels", "bench"}
+
+
+def _sources():
+    return [(root, path) for root in ROOTS for path in root.rglob("*.py") if not path.name.endswith("_pb2_grpc.py")
+            and not path.name.endswith("_pb2.py")]
 
 
 def test_no_forbidden_import_statement():
-    for path in ROOT.rglob("*.py"):
+    for _, path in _sources():
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
@@ -24,8 +31,8 @@ def test_no_forbidden_import_statement():
 
 
 def test_importing_everything_loads_no_torch():
-    modules = [f"edge_client.{p.relative_to(ROOT).with_suffix('').as_posix().replace('/', '.')}"
-               for p in ROOT.rglob("*.py") if p.name != "__init__.py"]
+    modules = [f"{root.name}.{p.relative_to(root).with_suffix('').as_posix().replace('/', '.')}"
+               for root, p in _sources() if p.name != "__init__.py"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
             "assert not bad, bad\nprint(len(sys.modules))")

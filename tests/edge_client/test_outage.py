@@ -14,7 +14,7 @@ import pytest
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import Resilience, generate
 from edge_client.transport import VerifierClient, VerifyError
-from scripts.ports import free_port
+from bench.processes import free_port
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, fingerprint="test",
                             stream_decoder=lambda: SimpleNamespace(feed=lambda ids: "", flush=lambda: ""))

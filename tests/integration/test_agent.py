@@ -75,21 +75,21 @@ def test_models_health_and_stop_strings(agent):
     with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as resp:
         health = json.load(resp)
     assert health["status"] == "ok" and health["server_reachable"] is True
-    r = client.completions.create(model="m", prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0, stop=["9"])
+    r = client.completions.create(model="smollm2-sled", prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0, stop=["9"])
     assert "9" not in r.choices[0].text and r.choices[0].finish_reason == "stop"
     assert r.choices[0].text.strip().startswith("6")
 
 
 def test_bad_requests_get_clear_400s(agent):
     _, _, client = agent
-    with pytest.raises(BadRequestError, match="'n' must be 1"):
-        client.completions.create(model="m", prompt="hi", n=2)
+    with pytest.raises(BadRequestError, match="'n': Input should be less than or equal to 1"):
+        client.completions.create(model="smollm2-sled", prompt="hi", n=2)
     with pytest.raises(BadRequestError, match="temperature"):
-        client.completions.create(model="m", prompt="hi", temperature=-1)
+        client.completions.create(model="smollm2-sled", prompt="hi", temperature=-1)
     with pytest.raises(BadRequestError, match="messages"):
-        client.chat.completions.create(model="m", messages=[])
+        client.chat.completions.create(model="smollm2-sled", messages=[])
     with pytest.raises(BadRequestError, match="prompt"):
-        client.completions.create(model="m", prompt=[3.5])
+        client.completions.create(model="smollm2-sled", prompt=[3.5])
 
 
 def test_concurrent_requests_share_one_channel_each_its_own_session(agent, tokenizer, reference_greedy):
@@ -99,7 +99,7 @@ def test_concurrent_requests_share_one_channel_each_its_own_session(agent, token
     opened_before = server.engine.metrics.sessions_opened
 
     def call(i):
-        results[i] = client.completions.create(model="m", prompt=prompts[i], max_tokens=24, temperature=0)
+        results[i] = client.completions.create(model="smollm2-sled", prompt=prompts[i], max_tokens=24, temperature=0)
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
     for t in threads:
@@ -127,7 +127,7 @@ def test_a_daemon_with_an_api_key_serves_only_requests_that_carry_it(make_server
         assert line.rstrip().endswith(", API key required)"), line
         base = line.split("on ", 1)[1].split(" ", 1)[0]
         with pytest.raises(AuthenticationError) as refused:  # a wrong key
-            OpenAI(base_url=base, api_key="unused", max_retries=0).completions.create(model="m", prompt="hi")
+            OpenAI(base_url=base, api_key="unused", max_retries=0).completions.create(model="sled", prompt="hi")
         assert refused.value.status_code == 401
         with pytest.raises(urllib.error.HTTPError) as refused:  # none at all
             urllib.request.urlopen(base + "/models")
@@ -137,8 +137,8 @@ def test_a_daemon_with_an_api_key_serves_only_requests_that_carry_it(make_server
         with urllib.request.urlopen(base.removesuffix("/v1") + "/health") as resp:  # liveness probes need no key
             assert json.load(resp)["status"] == "ok"
         prompt = PROMPTS[6]
-        r = OpenAI(base_url=base, api_key="k-7f3a").completions.create(model="m", prompt=prompt, max_tokens=16,
-                                                                     temperature=0)
+        r = OpenAI(base_url=base, api_key="k-7f3a").completions.create(model="sled", prompt=prompt, max_tokens=16,
+                                                                       temperature=0)
         assert r.choices[0].text == want_text(tokenizer, reference_greedy, tokenizer.encode(prompt), 16)
     finally:
         proc.terminate()
@@ -153,7 +153,7 @@ def test_a_request_whose_app_went_away_stops_generating(agent):
 
     server, base, _ = agent
     host, port = base.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
-    body = json.dumps({"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 800, "temperature": 0}).encode()
+    body = json.dumps({"model": "smollm2-sled", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 800, "temperature": 0}).encode()
     app = socket.create_connection((host, int(port)))
     app.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -192,7 +192,7 @@ def test_a_request_past_max_queued_is_answered_503_at_once(make_server, tmp_path
             return json.load(resp)
 
     def ask(max_tokens, stream=False):  # a raw connection: the test closes it to end the request
-        body = json.dumps({"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": max_tokens, "temperature": 0,
+        body = json.dumps({"model": "sled", "prompt": "1, 2, 3, 4, 5,", "max_tokens": max_tokens, "temperature": 0,
                            "stream": stream}).encode()
         app = socket.create_connection((host, int(port)))
         app.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"

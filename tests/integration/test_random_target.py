@@ -489,7 +489,7 @@ def _one_step(target, **floor):
     engine._drain(0)
     t0 = time.monotonic()
     engine.step()
-    return verdicts[0], time.monotonic() - t0, engine.token_ms
+    return verdicts[0], time.monotonic() - t0, engine.costs.token_ms
 
 
 def test_a_step_floor_pads_each_step_to_a_gpus_profile_and_changes_no_verdict(tiny):

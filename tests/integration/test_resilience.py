@@ -14,7 +14,7 @@ from edge_client.generation import Resilience, _Generation, generate
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
-from scripts.ports import free_port
+from bench.processes import free_port
 from tests.integration.test_processes import BIN
 
 pytestmark = pytest.mark.model
@@ -153,12 +153,10 @@ def test_wait_policy_waits_for_a_server_not_yet_up_and_says_so(make_server, toke
 
 
 def test_wait_policy_gives_up_at_its_deadline(make_server, tokenizer):
-    t0 = time.time()
     with pytest.raises(VerifyError) as err:
         _generate_with_outage(make_server, tokenizer, Resilience(wait_deadline_s=2, backoff_initial_s=0.1,
                                                                  round_timeout_s=1))
     assert err.value.code == "DEADLINE_EXCEEDED" and "wait deadline" in err.value.message
-    assert time.time() - t0 < 60
 
 
 def test_fail_policy_fails_at_once_with_a_clear_error(make_server, tokenizer):

@@ -179,6 +179,17 @@ def _chi2_ok(samples: torch.Tensor, probs: torch.Tensor) -> None:
     stat = chisquare(counts[keep].numpy(), exp.numpy())
     assert stat.pvalue > 1e-3, f"counts {counts.tolist()} vs expected {expected.tolist()} (p={stat.pvalue:.2g})"
 
+def test_a_row_without_top_p_keeps_its_whole_tail_beside_a_cut_row():
+    # These logits' float32 running sum reaches 1 before their last tokens: comparing it with top_p = 1 cut real
+    # tokens of a row that asked for no cut whenever another row of the batch did.
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(3)) * 2
+    batch = torch.cat([logits, logits])
+    probs = target_probs(batch, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([0.5, 1.0]))
+    full = torch.softmax(logits[0], -1)
+    assert torch.equal(probs[1] > 0, full > 0)
+    assert torch.allclose(probs[1], full)
+    assert (probs[0] > 0).sum() < (full > 0).sum()
+
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,q_support",

@@ -51,7 +51,7 @@ def test_bad_drafts_are_invalid_argument(msg, needle):
 ])
 def test_bad_sampling_is_invalid_argument(sampling, needle):
     with pytest.raises(SledError) as err:
-        open_from_pb(pb.Open(context_token_ids=[1], sampling=sampling), 100)
+        open_from_pb(pb.Open(context_token_ids=[1], max_tokens=1, sampling=sampling), 100, 64)
     assert err.value.code == "INVALID_ARGUMENT" and needle in err.value.message
 
 
@@ -59,3 +59,29 @@ def test_verdict_without_next_token_leaves_the_field_unset():
     msg = verdict_to_pb(Verdict(2, 1, None, True, "stop")).verdict
     assert not msg.HasField("next_token") and msg.finished and msg.finish_reason == pb.FINISH_REASON_STOP
     assert verdict_to_pb(Verdict(2, 1, 0, False, None)).verdict.HasField("next_token")
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(context_token_ids=[]), "context_token_ids is empty"),
+    (dict(context_token_ids=[1] * 64), "prompt of 64 tokens is over the context limit: at most 63 tokens"),
+    (dict(context_token_ids=[1, 100]), "prompt token id 100 out of range"),
+    (dict(context_token_ids=[1], stop_token_ids=[100]), "stop token id 100 out of range"),
+    (dict(context_token_ids=[1], stop_token_ids=list(range(257))), "257 stop token ids: at most 256"),
+    (dict(context_token_ids=[1], max_tokens=0), "max_tokens must be at least 1"),
+])
+def test_bad_opens_are_invalid_argument(fields, needle):
+    with pytest.raises(SledError) as err:
+        open_from_pb(pb.Open(**{"max_tokens": 1, **fields}), 1000 if "stop_token_ids" in fields and len(
+            fields["stop_token_ids"]) > 1 else 100, 64)
+    assert err.value.code == "INVALID_ARGUMENT" and needle in err.value.message
+
+
+@pytest.mark.parametrize("temperature,greedy", [(0.0, True), (1e-40, True), (1e-6, True), (2**-17 * 0.9999999, True),
+                                                (2**-17, False), (1e-5, False), (0.7, False)])
+def test_a_temperature_below_the_floor_is_greedy_on_both_sides(temperature, greedy):
+    from edge_client.sampling import SamplingParams as DeviceSampling
+
+    request = open_from_pb(pb.Open(context_token_ids=[1], max_tokens=1,
+                                   sampling=pb.SamplingParams(temperature=temperature)), 100, 64)
+    assert request.sampling.greedy == greedy
+    assert DeviceSampling(temperature=temperature).greedy == greedy

@@ -1,0 +1,1 @@
+"""SLED's benchmarks, run as `sled-bench NAME` (bench.cli)."""

@@ -1,0 +1,66 @@
+"""sled-bench: SLED's benchmarks. `sled-bench` lists them; `sled-bench NAME --help` tells what one measures."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with build_parser() and main(args), what it measures)
+COMMANDS = {
+    "soak": ("bench.soak", "64 devices for a while against a server that is killed, restarted and sent garbage: "
+                           "sessions served, tokens lost, slots leaked, memory growth"),
+    "fuzz": ("bench.fuzz", "random message sequences, cancelled at random points, against a real server: no "
+                           "INTERNAL or UNKNOWN, no hang, every slot free after"),
+    "fairness": ("bench.fairness", "a light device's round time alone and beside devices sending long prompts"),
+}
+
+
+def counts_arg(text: str) -> list[int]:
+    """An argparse type: comma-separated whole numbers, each at least 1 (device or session counts)."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated whole numbers, got {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be at least 1, got {text!r}")
+    return counts
+
+
+def positive(kind=float):
+    """An argparse type: a number above 0 (NaN refused)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return "usage: sled-bench NAME [options]   (sled-bench NAME --help for one)\n\nbenchmarks:\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"sled-bench: no benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = module.build_parser()
+    parser.prog = f"sled-bench {name}"
+    return module.main(parser.parse_args(rest)) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

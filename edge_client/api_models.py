@@ -1,0 +1,101 @@
+"""The local API's requests as typed models (pydantic, as OpenAI-compatible servers validate them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "tool_choice", "response_format")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """What completions and chat completions share. Fields the agent does not act on are ignored, as OpenAI's
+    optional ones (user, presence_penalty, ...); those whose answer it cannot give are refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None  # vLLM's extension
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    max_tokens: Count | None = None
+    stop: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice a request (an int: strict refuses true)
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        extra = self.model_extra or {}
+        asked = [k for k in UNSUPPORTED if extra.get(k) not in (None, False, 0, [], {})]
+        if asked:
+            raise ValueError(f"{', '.join(asked)} not supported by the SLED device agent")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Request):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)] | \
+        Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
+
+    @property
+    def text(self) -> str | None:
+        """The prompt as text, or None where it came as token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def plain(self) -> dict:
+        """The message for the chat template: developer taken as system, text parts joined."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Count | None = None
+
+
+def first_problem(err: ValidationError) -> tuple[str, str | None]:
+    """A validation error as OpenAI states one: a message and the parameter it is about."""
+    problems = err.errors(include_url=False)
+    # Of a union's branches, the one whose type fits the input says what is wrong with it: a constraint it failed
+    # (too long, too large), not that it is not some other type.
+    fitting = [p for p in problems if not p["type"].endswith("_type") and p["type"] != "literal_error"]
+    first = (fitting or problems)[0]
+    loc = [str(p) for p in first["loc"] if not str(p).startswith(("function-", "constrained-", "union["))]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "json_invalid":
+        return "the request body is not valid JSON", None
+    if first["type"] == "model_type" and not loc:
+        return "the request body must be a JSON object", None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return (f"'{where}': {message}{more}" if where else f"{message}{more}"), param
