@@ -58,7 +58,7 @@ simulate: install
 	$(PY) scripts/simulate.py
 
 bench: install
-	$(PY) scripts/bench_first.py
+	$(VENV)/bin/sled-bench first
 
 clean:
 	rm -rf $(VENV) sled/v1/*_pb2*.py sled/v1/*_pb2.pyi .pytest_cache

@@ -8,11 +8,22 @@ import sys
 
 # name -> (module with build_parser() and main(args), what it measures)
 COMMANDS = {
+    "system": ("bench.system", "SLED, server-only and device-only at several device counts with replayed drafts; "
+                               "adaptive against fixed K, drafting ahead against waiting"),
+    "capacity": ("bench.capacity", "the most devices each mode serves within a p95 inter-token latency target"),
+    "first": ("bench.first", "first figures (make bench): SLED against server-only, devices on the server's cores"),
+    "drafters": ("bench.drafters", "every drafter's acceptance and speed on repetitive, edit and free text; "
+                                   "stacked drafters against the model alone"),
+    "engine": ("bench.engine", "the target's decode step at batch 1 against the memory-bandwidth floor (CPU)"),
+    "gpu-step": ("bench.gpu_step", "the target's step on a GPU: per-segment attention against one padded call"),
+    "sim-rounds": ("bench.sim_rounds", "a discrete-event model of devices and one server: the adaptive K against "
+                                       "fixed K"),
     "soak": ("bench.soak", "64 devices for a while against a server that is killed, restarted and sent garbage: "
                            "sessions served, tokens lost, slots leaked, memory growth"),
     "fuzz": ("bench.fuzz", "random message sequences, cancelled at random points, against a real server: no "
                            "INTERNAL or UNKNOWN, no hang, every slot free after"),
     "fairness": ("bench.fairness", "a light device's round time alone and beside devices sending long prompts"),
+    "fly": ("bench.fly", "FLy's loose verification against exact on HumanEval: acceptance length, speed, accuracy"),
 }
 
 

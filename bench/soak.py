@@ -100,7 +100,9 @@ class Tally:
 async def device(index: int, address: str, tokenizer, reference, args, tally: Tally, stop: asyncio.Event,
                  rng: random.Random) -> None:
     from edge_client.drafters import create_drafter
-    from edge_client.generation import Resilience, generate
+    from edge_client.generation import generate
+    from edge_client.policy import DraftPolicy
+    from edge_client.resilience import Resilience
     from edge_client.transport import VerifierClient, VerifyError
 
     kind = ("oracle", "ngram", "none", "oracle")[index % 4]
@@ -115,7 +117,7 @@ async def device(index: int, address: str, tokenizer, reference, args, tally: Ta
             want = reference[tuple(prompt)]
             job = asyncio.ensure_future(generate(client, drafter, tokenizer, prompt, max_tokens=args.max_tokens,
                                                  client_id=f"soak-{index}", resilience=resilience,
-                                                 draft_tokens=4, adaptive=index % 2 == 0))
+                                                 policy=DraftPolicy(draft_tokens=4, adaptive=index % 2 == 0)))
             cancel = rng.random() < args.cancel_share
             try:
                 if cancel:

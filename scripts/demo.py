@@ -10,8 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.processes import free_port  # noqa: E402
+from bench.processes import free_port
 
 BIN = Path(sys.executable).parent
 PROMPTS = [
@@ -71,7 +70,7 @@ def main() -> int:
         print("  (none = the server decodes every token: the server-only baseline)")
         print("  (here the drafter and the server share this machine's cores: the device drafts only between its "
               "verdicts\n   (--no-draft-ahead), and SLED's gain is what is left after drafting's share of the "
-              "cores;\n   real devices draft on their own hardware: scripts/bench_system.py measures that, "
+              "cores;\n   real devices draft on their own hardware: sled-bench system measures that, "
               "docs/benchmarks.md)")
         print(f"\n[demo] the server's view: sled-edge info --server 127.0.0.1:{port}", flush=True)
         done = subprocess.run([BIN / "sled-edge", "info", "--server", f"127.0.0.1:{port}"])

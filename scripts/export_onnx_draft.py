@@ -24,10 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from verify_server.model_loader import load_target  # noqa: E402
+from verify_server.model_loader import load_target
 
 
 class DraftLM(torch.nn.Module):

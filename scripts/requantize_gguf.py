@@ -15,10 +15,8 @@ from pathlib import Path
 
 import llama_cpp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from edge_client.models import quiet_native_stderr, resolve_model_path  # noqa: E402
+from edge_client.models import quiet_native_stderr, resolve_model_path
 
 TYPES = {"q2_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, "q3_k_s": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_S,
          "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,

@@ -1,6 +1,6 @@
 """A discrete-event model of N devices and one batching verify server, to test the draft-length controller.
 
-    python scripts/sim_rounds.py --devices 4,16,32 --step-fixed-ms 50 --step-token-ms 0.05 --draft-ms 16.8
+    sled-bench sim-rounds --devices 4,16,32 --step-fixed-ms 50 --step-token-ms 0.05 --draft-ms 16.8
 
 The server runs one step at a time: it starts when every device's draft is waiting or the oldest has waited
 `max_wait_ms`, verifies all that wait, and takes `fixed + per_token * tokens` (a launch-bound GPU: a large fixed
@@ -25,15 +25,12 @@ import argparse
 import heapq
 import random
 import statistics
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from edge_client.adaptive import AdaptiveDraftLength, RoundSample
+from edge_client.policy import EMPTY_AFTER_MISS
 
-from edge_client.adaptive import AdaptiveDraftLength, RoundSample  # noqa: E402
-from edge_client.generation import EMPTY_AFTER_MISS  # noqa: E402
+from .cli import counts_arg, positive
 
 
 @dataclass(frozen=True)
@@ -305,58 +302,55 @@ def compare(regime: Regime, devices: int, seconds: float = 30.0, seed: int = 0, 
             "ratio": rows[None]["system_tokens_per_s"] / rows[best]["system_tokens_per_s"]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--devices", default="1,4,16,32", help="device counts (default 1,4,16,32)")
-    ap.add_argument("--step-fixed-ms", type=float, default=50.0, help="a step's cost at zero tokens (default 50)")
-    ap.add_argument("--step-token-ms", type=float, default=0.05, help="a step's cost per token (default 0.05)")
-    ap.add_argument("--step-session-ms", type=float, default=0.0, help="a step's cost per session (default 0)")
-    ap.add_argument("--draft-ms", type=float, default=16.8, help="drafting time per token (default 16.8)")
-    ap.add_argument("--match", type=float, default=0.98, help="probability a drafted token is right (default 0.98)")
-    ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds per run (default 30)")
-    ap.add_argument("--at-once", action="store_true",
-                    help="adaptive devices answer a verdict at once, as a device does by default (a hit with what was "
-                         "drafted ahead, a miss with an empty draft, unless the server queues their drafts); without "
-                         "it they finish the token in progress and draft the rest of K first")
-    ap.add_argument("--confidence", metavar="SHARE:CONF:RIGHT,...",
-                    help="drafted tokens as kinds, e.g. 0.75:0.9:0.99,0.25:0.3:0.75 (instead of --match): the stop "
-                         "rule then ends drafts on the drafter's confidence")
-    args = ap.parse_args()
-    confidence = None
-    if args.confidence:
-        try:
-            confidence = tuple(tuple(float(x) for x in kind.split(":")) for kind in args.confidence.split(","))
-        except ValueError:
-            ap.error(f"--confidence must be SHARE:CONF:RIGHT,..., got {args.confidence!r}")
-        if any(len(kind) != 3 or not all(0 <= x <= 1 for x in kind) for kind in confidence):
-            ap.error("--confidence: each kind is three numbers in [0, 1], SHARE:CONF:RIGHT")
-        if abs(sum(kind[0] for kind in confidence) - 1) > 1e-6:
-            ap.error("--confidence: the shares must add up to 1")
-    for name in ("step_fixed_ms", "step_token_ms", "step_session_ms", "draft_ms", "seconds"):
-        if getattr(args, name) < 0 or (name in ("draft_ms", "seconds") and getattr(args, name) == 0):
-            ap.error(f"--{name.replace('_', '-')} must be positive")
-    if args.at_once and confidence is not None:
-        ap.error("--at-once is modelled for drafts without --confidence only")
-    if not 0 <= args.match <= 1:
-        ap.error("--match must be in [0, 1]")
+def confidence_arg(text: str) -> tuple[tuple[float, float, float], ...]:
+    """--confidence: kinds of drafted token, SHARE:CONF:RIGHT each, the shares adding up to 1."""
     try:
-        counts = [int(x) for x in args.devices.split(",")]
+        kinds = tuple(tuple(float(x) for x in kind.split(":")) for kind in text.split(","))
     except ValueError:
-        ap.error(f"--devices must be comma-separated integers, got {args.devices!r}")
-    if any(n < 1 for n in counts):
-        ap.error("--devices must be positive")
+        raise argparse.ArgumentTypeError(f"must be SHARE:CONF:RIGHT,..., got {text!r}") from None
+    if any(len(kind) != 3 or not all(0 <= x <= 1 for x in kind) for kind in kinds):
+        raise argparse.ArgumentTypeError("each kind is three numbers in [0, 1], SHARE:CONF:RIGHT")
+    if abs(sum(kind[0] for kind in kinds) - 1) > 1e-6:
+        raise argparse.ArgumentTypeError("the shares must add up to 1")
+    return kinds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=counts_arg, default=counts_arg("1,4,16,32"), help="device counts "
+                                                                                      "(default 1,4,16,32)")
+    p.add_argument("--step-fixed-ms", type=float, default=50.0, help="a step's cost at zero tokens (default 50)")
+    p.add_argument("--step-token-ms", type=float, default=0.05, help="a step's cost per token (default 0.05)")
+    p.add_argument("--step-session-ms", type=float, default=0.0, help="a step's cost per session (default 0)")
+    p.add_argument("--draft-ms", type=positive(), default=16.8, help="drafting time per token (default 16.8)")
+    p.add_argument("--match", type=float, default=0.98, help="probability a drafted token is right (default 0.98)")
+    p.add_argument("--seconds", type=positive(), default=30.0, help="simulated seconds per run (default 30)")
+    p.add_argument("--at-once", action="store_true",
+                   help="adaptive devices answer a verdict at once, as a device does by default (a hit with what was "
+                        "drafted ahead, a miss with an empty draft, unless the server queues their drafts); without "
+                        "it they finish the token in progress and draft the rest of K first")
+    p.add_argument("--confidence", type=confidence_arg, metavar="SHARE:CONF:RIGHT,...",
+                   help="drafted tokens as kinds, e.g. 0.75:0.9:0.99,0.25:0.3:0.75 (instead of --match): the stop "
+                        "rule then ends drafts on the drafter's confidence")
+    return p
+
+
+def main(args) -> int:
+    fail = argparse.ArgumentParser(prog="sled-bench sim-rounds").error
+    if min(args.step_fixed_ms, args.step_token_ms, args.step_session_ms) < 0:
+        fail("--step-fixed-ms, --step-token-ms and --step-session-ms must not be negative")
+    if args.at_once and args.confidence is not None:
+        fail("--at-once is modelled for drafts without --confidence only")
+    if not 0 <= args.match <= 1:
+        fail("--match must be in [0, 1]")
     regime = Regime(args.step_fixed_ms / 1000, args.step_token_ms / 1000, args.draft_ms / 1000, args.match,
-                    step_session_s=args.step_session_ms / 1000, confidence=confidence)
+                    step_session_s=args.step_session_ms / 1000, confidence=args.confidence)
     print("| devices | K=2 | K=4 | K=8 | adaptive (mean K) | adaptive / best fixed |")
     print("|---:|---:|---:|---:|---:|---:|")
-    for n in counts:
+    for n in args.devices:
         c = compare(regime, n, args.seconds, at_once=args.at_once)
         rows = c["rows"]
         print(f"| {n} | " + " | ".join(f"{rows[k]['system_tokens_per_s']:.1f}" for k in (2, 4, 8)) +
               f" | {rows[None]['system_tokens_per_s']:.1f} ({rows[None]['mean_k']:.2f}) | {c['ratio']:.2f}x |",
               flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
-"""scripts/benchutil.py: a benchmark killed with SIGTERM still runs its `finally` blocks (which stop its server);
-rewriting a docs section names the hand notes it drops; device counts are checked."""
+"""The benchmarks' shared parts: a benchmark killed with SIGTERM still runs its `finally` blocks (which stop its
+server); rewriting a docs section names the hand notes it drops; device counts are checked."""
 
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ import pytest
 
 from bench.cli import counts_arg
 
-ROOT = Path(__file__).resolve().parent.parent
-
 SCRIPT = """
-import sys, time
-sys.path.insert(0, {root!r})
+import time
 from bench.processes import exit_on_sigterm
 if {install}:
     exit_on_sigterm()
@@ -31,7 +28,7 @@ finally:
 
 def killed(tmp_path: Path, install: bool) -> tuple[int, bool]:
     marker = tmp_path / f"marker-{install}"
-    with subprocess.Popen([sys.executable, "-c", SCRIPT.format(root=str(ROOT), install=install, marker=str(marker))],
+    with subprocess.Popen([sys.executable, "-c", SCRIPT.format(install=install, marker=str(marker))],
                           stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from linkemu import LinkEmulator, LinkProcess, LinkSpec  # noqa: E402
+from bench.linkemu import LinkEmulator, LinkProcess, LinkSpec
 
 
 @pytest.fixture
@@ -104,7 +103,7 @@ def test_bad_specs_are_refused():
 
 
 def test_the_relay_process_carries_each_connection_over_its_own_link(echo_port):
-    """bench_system.py --link runs the relay as a process of its own: each connection gets the delay each way."""
+    """sled-bench system --link runs the relay as a process of its own: each connection gets the delay each way."""
     spec = LinkSpec.parse("delay_ms=25,jitter_ms=5")
     assert LinkSpec.parse(spec.text()) == spec and spec.describe() == "25 ms ± 5 ms each way, no bandwidth cap"
     with LinkProcess(spec, "127.0.0.1", echo_port) as address:
@@ -123,7 +122,7 @@ def test_the_relay_process_reports_its_bytes_and_cpu(echo_port):
 
 
 def test_the_relay_refuses_bad_settings_with_a_clear_error():
-    script = Path(__file__).resolve().parents[1] / "scripts" / "linkemu.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "linkemu.py"
     for argv, message in ((["--link", "delay_ms=fast", "--to", "127.0.0.1:1"], "delay_ms must be a number"),
                           (["--link", "delay_ms=5", "--to", "nowhere"], "--to must be HOST:PORT")):
         done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
@@ -135,10 +134,9 @@ def test_a_relay_whose_benchmark_was_killed_stops_by_itself(echo_port):
     import os
     import signal
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
     parent = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(scripts)!r}); "
-         "from linkemu import LinkProcess, LinkSpec; "
+        [sys.executable, "-c", "import time; "
+         "from bench.linkemu import LinkProcess, LinkSpec; "
          f"r = LinkProcess(LinkSpec(delay_ms=1), '127.0.0.1', {echo_port}); r.start(); "
          "print(r.proc.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     relay = int(parent.stdout.readline())

@@ -1,4 +1,4 @@
-"""scripts/simulate.py's plan of the compose services, without running them (no model needed)."""
+"""make simulate's plan of the compose services (bench.simulation), without running them (no model needed)."""
 
 import subprocess
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 import bench.processes as ports
-import scripts.simulate as simulate
+import bench.simulation as simulate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_services_get_distinct_ports_though_the_kernel_reuses_a_released_one(monkeypatch):

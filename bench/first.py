@@ -15,18 +15,20 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from edge_client.drafters import DrafterOptions, create_drafter
+from edge_client.generation import generate
+from edge_client.policy import DraftPolicy
+from edge_client.sampling import SamplingParams
+from edge_client.tokenizer import Tokenizer
+from edge_client.transport import VerifierClient
+from edge_client.workload import QUESTIONS
 
-from edge_client.drafters import DrafterOptions, create_drafter  # noqa: E402
-from edge_client.generation import generate  # noqa: E402
-from edge_client.sampling import SamplingParams  # noqa: E402
-from edge_client.tokenizer import Tokenizer  # noqa: E402
-from edge_client.transport import VerifierClient  # noqa: E402
-from edge_client.workload import QUESTIONS  # noqa: E402
-from bench.cli import counts_arg  # noqa: E402
-from bench.processes import ServerProcess  # noqa: E402
-from bench.report import machine, publish  # noqa: E402
+from .cli import counts_arg, positive
+from .processes import ServerProcess
+from .report import machine, publish
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "## First figures: SLED vs server-only on the real model pair"
 
 
 def first_table(rows: list[dict], counts: list[int]) -> str:
@@ -67,8 +69,8 @@ async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int,
     before = await client.info()
     start = time.perf_counter()
     results = await asyncio.gather(*[
-        generate(client, d, tokenizer, p, max_tokens=max_tokens, draft_tokens=k, adaptive=False,
-                 draft_ahead=draft_ahead,
+        generate(client, d, tokenizer, p, max_tokens=max_tokens,
+                 policy=DraftPolicy(draft_tokens=k, adaptive=False, draft_ahead=draft_ahead),
                  sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
         for i, (d, p) in enumerate(zip(drafters, prompts))
     ])
@@ -94,26 +96,26 @@ async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int,
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=counts_arg, default="1,4,16",
-                    help="comma-separated concurrent session counts (default 1,4,16)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per session (default 64)")
-    ap.add_argument("--draft-tokens", type=int, default=4, help="K for the llama.cpp drafter (default 4)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
-    ap.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
-                    help="let each drafter draft ahead while its draft is verified (default off: here it would draft "
-                         "on the cores the server verifies on, and slow every step down)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="passes over every session count and mode, each pass in the other order (default 3)")
-    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    ap.add_argument("--markdown", metavar="FILE", default=str(ROOT / "docs" / "benchmarks.md"),
-                    help="markdown file whose 'First figures' section is rewritten (default docs/benchmarks.md)")
-    args = ap.parse_args()
-    counts = args.sessions
-    if args.repeats < 1:
-        ap.error(f"--repeats must be at least 1, got {args.repeats}")
-    rows = []
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=counts_arg, default=counts_arg("1,4,16"),
+                   help="comma-separated concurrent session counts (default 1,4,16)")
+    p.add_argument("--max-tokens", type=positive(int), default=64, help="tokens generated per session (default 64)")
+    p.add_argument("--draft-tokens", type=positive(int), default=4, help="K for the llama.cpp drafter (default 4)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
+    p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
+                   help="let each drafter draft ahead while its draft is verified (default off: here it would draft "
+                        "on the cores the server verifies on, and slow every step down)")
+    p.add_argument("--repeats", type=positive(int), default=3,
+                   help="passes over every session count and mode, each pass in the other order (default 3)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--markdown", metavar="FILE", default=str(ROOT / "docs" / "benchmarks.md"),
+                   help="markdown file whose 'First figures' section is rewritten (default docs/benchmarks.md)")
+    return p
+
+
+def main(args) -> int:
+    counts, rows = args.sessions, []
     try:
         with ServerProcess("--max-sessions", str(max(counts) + 2), "--max-seq-len", "1024",
                            "--max-wait-ms", "5") as address:
@@ -130,34 +132,26 @@ def main() -> int:
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1
-
     table = first_table(rows, counts)
     print("\n" + table)
-    cmd = "python scripts/bench_first.py " + " ".join(sys.argv[1:])
-    section = (
-        "## First figures: SLED vs server-only on the real model pair\n\n"
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
-        f"- machine: {machine()} (no GPU); devices and server share these cores\n"
-        f"- command: `{cmd.strip()}` (also `make bench`)\n"
-        f"- target: SmolLM2-135M-Instruct (GGUF dequantized to float32, torch on CPU); drafter: the same GGUF "
-        f"(Q4_1) in llama.cpp, K = {args.draft_tokens}, drafting ahead {'on' if args.draft_ahead else 'off'}, "
-        f"each session's drafter with its share of the {os.cpu_count()} cores (1 thread at least: "
-        + ", ".join(f"{n} sessions {drafter_threads(n)}" for n in counts) + f"); {args.max_tokens} tokens per "
-        f"session, temperature {args.temperature:g}, chat prompts\n"
-        "- server-only = the same server with `--drafter none`: it decodes every token, batched across sessions\n"
-        "- system tok/s = all generated tokens / wall time of the whole round; batch = verifications per server step\n"
-        f"- {args.repeats} passes, the modes' order reversed on every other one; each mode's row is its pass with the "
-        "median system tok/s, and 'ratio per pass' gives SLED / server-only of each pass\n"
-        "- co-located: the N drafters run on the same cores as the server, so SLED's drafting takes CPU time from "
-        "verification, which server-only does not pay (drafting ahead, off here unless asked, would draft during "
-        "every step). Real devices "
-        "draft on their own hardware: the capacity comparison, with the server measured apart from drafting, is the "
-        "system benchmark below\n\n"
-        + table + "\n"
-    )
-    publish(args.markdown, "## First figures", section, args.json, rows)
+    publish(args.markdown, MARKER, section(args, table), args.json, rows)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def section(args, table: str) -> str:
+    counts = args.sessions
+    return (
+        f"{MARKER}\n\n`sled-bench first {' '.join(sys.argv[2:])}` (also `make bench`) on {machine()}, "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; devices and server share these cores.\n\n"
+        f"- target: SmolLM2-135M-Instruct (the GGUF dequantized to float32, torch on CPU); drafter: the same GGUF "
+        f"(Q4_1) in llama.cpp, K = {args.draft_tokens}, drafting ahead {'on' if args.draft_ahead else 'off'}, "
+        f"each session's drafter with its share of the {os.cpu_count()} cores ("
+        + ", ".join(f"{n} sessions {drafter_threads(n)}" for n in counts) + f" threads); {args.max_tokens} tokens a "
+        f"session, temperature {args.temperature:g}, chat prompts\n"
+        "- server-only: the same server decodes every token (`--drafter none`), batched across sessions; system "
+        "tok/s: all generated tokens over the wall time of the round; batch: verifications a step\n"
+        f"- {args.repeats} passes, the modes' order reversed every other one; each row is the median pass, with "
+        "SLED / server-only pass by pass\n"
+        "- co-located: the drafters take CPU time from verification here, which server-only does not pay; real devices "
+        "draft on their own hardware (the system benchmark measures the server apart from drafting)\n\n"
+        + table + "\n")

@@ -1,12 +1,12 @@
 """A user-space network link: a TCP relay that adds one-way delay, jitter and a bandwidth cap each way.
 
 Used by `make simulate --link ...` so each device reaches the server over its own emulated link, on
-machines whose kernel lacks `tc netem` (and beside it when present), and by `scripts/bench_system.py
+machines whose kernel lacks `tc netem` (and beside it when present), and by `sled-bench system
 --link ...`, which runs it as a process of its own (`LinkProcess`). Every TCP connection through the
 relay is its own link. Bytes keep their order: jitter moves release times but never reorders a stream,
 as a real link under TCP would.
 
-    python scripts/linkemu.py --link delay_ms=20,jitter_ms=5,rate_mbit=50 --to 127.0.0.1:50051
+    python -m bench.linkemu --link delay_ms=20,jitter_ms=5,rate_mbit=50 --to 127.0.0.1:50051
 """
 
 from __future__ import annotations

@@ -1,0 +1,190 @@
+"""Acceptance of every drafter on repetitive, edit and free text, against one real verify server.
+
+For each drafter and text set, the prompts run one after another (one device), greedy, and the
+figures are acceptance rate (accepted / drafted), mean acceptance length (1 + accepted / rounds) and
+device tokens/s. One drafter instance serves a whole set, so Cacheback's tables warm up across the
+set's prompts, as on a device that keeps running. Writes its section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from edge_client.drafters import DrafterOptions, create_drafter
+from edge_client.generation import generate
+from edge_client.policy import DraftPolicy
+from edge_client.tokenizer import Tokenizer
+from edge_client.transport import VerifierClient
+
+from .cli import positive
+from .processes import ServerProcess
+from .report import machine, publish
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "## Drafters: acceptance on repetitive, edit and free text"
+STACKED_ROW = "stacked: prompt lookup under llama.cpp Q4_1"
+
+REPETITIVE = [
+    "Repeat this sentence five times, one per line: The quick brown fox jumps over the lazy dog.",
+    "Write the multiplication table of 7 from 7 x 1 to 7 x 10.",
+    "List the days of the week, then list them again in reverse order.",
+    "Write a Python class Point with x and y, and methods add, sub, mul and div that each return a new Point.",
+    "Write an HTML table with three rows, each with the cells Name, Age and City.",
+    "Count from 1 to 30, separated by commas.",
+]
+# Outputs that repeat their inputs (code edits, extraction): where a model-free proposer under the model pays.
+EDIT = [
+    "Rename the variable `total` to `running_sum` in this function and return the whole function:\n\n"
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
+    "Add a docstring to this function and return the whole function:\n\n"
+    "def clamp(x, low, high):\n    if x < low:\n        return low\n    if x > high:\n        return high\n"
+    "    return x\n",
+    "Fix the spelling mistakes and return the corrected text: The comittee will recieve the anual report on "
+    "wensday and will dicuss the budjet for the folowing year.",
+    "Extract every email address from this text, one per line: Contact alice@example.com for sales, "
+    "bob.smith@example.org for support, and carol@example.net for press. Invoices go to billing@example.com.",
+    "Convert this list to a JSON array of objects with keys name and age: Alice, 34; Bob, 27; Carol, 45; "
+    "Dave, 19; Eve, 52.",
+    "Rewrite this SQL query with the keywords in upper case: select name, email from users where age > 30 "
+    "order by name limit 10;",
+]
+FREE = [
+    "Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
+    "What are the benefits of regular exercise?", "Describe how a bicycle works.",
+    "Give me three tips for learning to cook.", "How do airplanes stay in the air?",
+]
+
+
+async def run_set(address, tokenizer, drafter, prompts, max_tokens, k):
+    client = VerifierClient(address)
+    rows = []
+    try:
+        for p in prompts:
+            ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": p}]))
+            rows.append(await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens,
+                                        policy=DraftPolicy(draft_tokens=k, adaptive=False)))
+    finally:
+        await client.close()
+    drafted = sum(r.draft_tokens for r in rows)
+    accepted = sum(r.accepted_tokens for r in rows)
+    rounds = sum(r.rounds for r in rows)
+    tokens = sum(len(r.token_ids) for r in rows)
+    return {"acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
+            "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
+            "tokens_per_s": tokens / sum(r.elapsed_s for r in rows)}
+
+
+# With this model most tensors of a q2_k request fall back to q4_0 (576 columns is not a multiple of 256).
+REQUANTIZED_NAMES = {"q2_k": "llama.cpp requantized (q2_k request; q4_0 fallback)"}
+
+
+def tool(script: str, *args: str) -> None:
+    """Run a user tool of scripts/ (the requantizer, the ONNX exporter) by its command line."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"scripts/{script} failed: {done.stderr.strip()[-2000:]}")
+
+
+def stack_goals(rows: list[dict]) -> str:
+    """Each stacked drafter's device tok/s against llama.cpp Q4_1 alone, text set by text set."""
+    by = {(r["drafter"], r["text"]): r["tokens_per_s"] for r in rows}
+    out = []
+    for name in dict.fromkeys(r["drafter"] for r in rows if r["drafter"].startswith("stacked")):
+        ratios = ", ".join(f"{text} {by[name, text] / by['llama.cpp Q4_1', text]:.2f}x"
+                           for text in ("repetitive", "edit", "free") if (name, text) in by
+                           and ("llama.cpp Q4_1", text) in by)
+        out.append(f"- {name} / llama.cpp Q4_1 alone, device tok/s: {ratios} (goals: edit at least 1.3x, free at "
+                   "least 0.95x)")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-tokens", type=positive(int), default=96, help="tokens per prompt (default 96)")
+    p.add_argument("--draft-tokens", type=positive(int), default=4, help="K (default 4)")
+    p.add_argument("--onnx-model", help="ONNX draft to use (default: export the full model, int8, to a temp dir)")
+    p.add_argument("--requantized", default="q2_k", metavar="TYPES",
+                   help="comma-separated quantizations the Q4_1 drafter is requantized to, one row each, e.g. "
+                        "q2_k,q4_0,q8_0,iq4_nl: a weaker drafter (q2_k), or another format to draft in (default q2_k)")
+    p.add_argument("--no-onnx", dest="onnx", action="store_false", help="leave the ONNX drafter out")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
+    return p
+
+
+def drafters(args, work: Path) -> dict:
+    """The drafters to compare, making the requantized and exported ones first."""
+    kinds = [k for k in args.requantized.split(",") if k]
+    requantized = {}
+    for k in kinds:
+        tool("requantize_gguf.py", "--output", str(work / f"smollm2-{k}.gguf"), "--type", k)
+        requantized[REQUANTIZED_NAMES.get(k, f"llama.cpp requantized to {k}")] = work / f"smollm2-{k}.gguf"
+    onnx = {}
+    if args.onnx:
+        onnx_model = args.onnx_model
+        if not onnx_model:
+            onnx_model = str(work / "smollm2-int8.onnx")
+            tool("export_onnx_draft.py", "--output", onnx_model, "--int8")
+        onnx["ONNX Runtime, int8 weights"] = ("onnx", DrafterOptions(onnx_model=onnx_model, threads=1))
+    return {
+        "llama.cpp Q4_1": ("llama-cpp", DrafterOptions(threads=1)),
+        **{name: ("llama-cpp", DrafterOptions(model_path=str(path), threads=1)) for name, path in requantized.items()},
+        **onnx,
+        "Cacheback (LRU n-gram caches)": ("cacheback", DrafterOptions()),
+        "prompt lookup (n-gram)": ("ngram", DrafterOptions()),
+        STACKED_ROW: ("stacked", DrafterOptions(threads=1)),
+        "stacked: Cacheback under llama.cpp Q4_1": ("stack:cacheback+llama-cpp", DrafterOptions(threads=1)),
+    }
+
+
+def main(args) -> int:
+    try:
+        compared = drafters(args, Path(tempfile.mkdtemp(prefix="sled-drafters-")))
+    except RuntimeError as err:  # a tool refused (an unknown --requantized type) or failed
+        print(f"sled-bench drafters: {err}", file=sys.stderr)
+        return 2
+    rows = []
+    try:
+        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
+            tokenizer = Tokenizer()
+            for name, (kind, opts) in compared.items():
+                for label, prompts in (("repetitive", REPETITIVE), ("edit", EDIT), ("free", FREE)):
+                    print(f"[bench] {name}, {label} text ...", end=" ", flush=True)
+                    d = create_drafter(kind, opts)
+                    try:
+                        row = asyncio.run(run_set(address, tokenizer, d, prompts, args.max_tokens, args.draft_tokens))
+                    finally:
+                        d.close()
+                    row.update(drafter=name, text=label)
+                    rows.append(row)
+                    print(f"acceptance {row['acceptance_rate']:.2f}, mean length {row['mean_acceptance_length']:.2f}",
+                          flush=True)
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
+    lines = ["| drafter | text | acceptance | mean accept. length | drafted / round | device tok/s |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['drafter']} | {r['text']} | {r['acceptance_rate']:.2f} | {r['mean_acceptance_length']:.2f} "
+                     f"| {r['draft_tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} |")
+    table = "\n".join(lines) + "\n\n" + stack_goals(rows)
+    print("\n" + table)
+    section = (
+        f"{MARKER}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
+        f"- target: SmolLM2-135M-Instruct (float32, torch); greedy; K = {args.draft_tokens}; {args.max_tokens} tokens "
+        f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
+        f"whose answers repeat their input (renames, fixes, extraction) and {len(FREE)} free questions, chat "
+        "template; one device, prompts one after another, one drafter instance a set\n"
+        "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
+        "propose nothing when they find no match, so their drafted / round is below K\n\n"
+        + table + "\n")
+    publish(args.markdown, MARKER, section, args.json, rows)
+    return 0

