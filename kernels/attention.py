@@ -58,10 +58,8 @@ def causal_masks(segments: list[Segment], device, groups: int = 1,
     return masks
 
 
-# On CPU a short segment (a decode token, or a draft's K + 1 tokens) is faster as two batched matmuls than
-# through the fused kernel, whose setup dominates at that size. Measured here per call, 9 query heads over 3 KV
-# heads of 64: 1 token over 129 keys 24 -> 22 us, 5 over 133 50 -> 36 us, 9 over 137 69 -> 50 us, 33 over 200
-# 145 -> 136 us; from 64 tokens over 400 keys the fused kernel wins (430 against 971 us).
+# On CPU a short segment (a decode token, or a draft's K + 1 tokens) is faster as two batched matmuls than through
+# the fused kernel, whose set-up dominates at that size (docs/kernels.md).
 MATMUL_MAX_TOKENS = 32
 
 

@@ -1,17 +1,10 @@
-/* The whole forward of a Llama-family target for a few tokens, float32 on CPU, in one call.
+/* The whole forward of a Llama-family target for a few tokens, float32 on CPU, in one call: one OpenMP region
+ * runs every layer, the matrix products split by panels of output rows across threads, everything else (norms,
+ * RoPE, KV writes, attention, SiLU) between barriers, so a small step pays no per-op dispatch (docs/kernels.md).
+ * Built at first use by kernels/cpu_step.py for this CPU; PyTorch's path stays the reference and the fallback.
  *
- * At batch 1 a decode step streams every weight once; what a step costs beyond that stream
- * is per-op overhead: through PyTorch a step is about 25 ops per layer, each a dispatch, and
- * 121 matmul calls of about 11 us fixed cost each (measured, docs/benchmarks.md). Here one
- * OpenMP parallel region runs every layer: matrix products split by panels of output rows
- * across threads, everything else (norms, RoPE, KV writes, attention, SiLU) between
- * barriers. Built at first use by kernels/cpu_step.py with the system C compiler for this
- * CPU (-march=native); PyTorch's path stays the reference and the fallback.
- *
- * Semantics match verify_server.model_runner.ModelRunner.forward: row m of the batch is the
- * token at position pos[m] of cache slot slot[m]; its key and value are written at that
- * position, then it attends over positions [0, pos[m]] of its slot (the causal rule of a
- * segment: a segment's tokens are consecutive positions ending at its context length).
+ * Semantics match verify_server.model_runner.ModelRunner.forward: row m of the batch is the token at position pos[m]
+ * of cache slot slot[m]; its key and value are written there, then it attends over positions [0, pos[m]] of its slot.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,22 +17,13 @@
 #include <immintrin.h> /* __m256 / __m512 and their max instructions (vmax) */
 #endif
 
-/* Vector width and the register blocking of the matrix products, per instruction set. Every weight matrix is
- * packed once (kernels/cpu_step.py) into panels of NR = NV * VL output features, each panel K rows of NR floats
+/* Vector width and the register blocking of the matrix products. Every weight matrix is packed once
+ * (kernels/cpu_step.py) into panels of NR = NV * VL output features, each panel K rows of NR floats
  * (P[p][k][j] = W[p NR + j][k], the last panel padded with zeros). A block of MR batch rows by one panel keeps
- * MR x NV accumulators in registers; each step over k loads NV weight vectors and broadcasts one input float per
- * batch row, so no accumulator needs a horizontal sum and the weights stream from one contiguous panel.
- * The accumulators, the NV weight vectors and one broadcast must fit in the vector registers, or the loop
- * spills to the stack.
- * AVX2 (16 registers of 8 floats): 6 x 2 (12 accumulators). Measured on an AVX2-only EPYC (a noisy host) against
- * the dot-product kernel it replaced (8-float vectors over k in 6 weight rows x 2 batch rows, then a horizontal
- * sum per output): over a step's projections alone (30 layers of 960x576, 576x576, 3072x576 and 576x1536, 2
- * threads, 4 runs) 0.74-0.86x the time from 4 to 32 rows and 0.97-1.02x at 1 row, where 4 x 3 and 6 x 1 did
- * worse; over the whole step of SmolLM2-135M (both kernels in one process, interleaved, medians of 4-12 rounds)
- * 0.84-0.90x at 1 to 12 tokens, 0.91-1.02x at 16 and 0.96-1.05x at 32.
- * AVX-512 (32 registers of 16 floats): 32 features a panel, blocks of up to 8 rows where two blocks take the batch
- * and of up to 6 where more are needed (MR 8, MR_MANY 6; see gemv, where it was measured).
- * Each can be overridden with -D (SLED_VBYTES, NV, MR, MR_MANY) for such a sweep; the tests build several. */
+ * MR x NV accumulators in registers: no horizontal sums, and the weights stream from one contiguous panel. The
+ * accumulators, the NV weight vectors and one broadcast must fit in the registers: AVX2 6 x 2, AVX-512 up to 8 rows
+ * where two blocks take the batch and 6 where more are needed (MR, MR_MANY). Each can be set with -D (SLED_VBYTES, NV,
+ * MR, MR_MANY) to compare builds; the tests build several. The measurements: docs/kernels.md. */
 #if defined(__AVX512F__)
 #define SLED_DEFAULT_VBYTES 64
 #else
@@ -99,10 +83,8 @@ int64_t sled_panel_width(void) { return NR; }
 
 static inline vf vload(const float *p) { return *(const vfu *)p; }
 
-/* One float in every lane, read straight from memory (vbroadcastss m32). The obvious `(vf){0} + s` is not that:
- * without -ffast-math the compiler must keep the addition of +0 (it turns -0 into +0), so every broadcast in the
- * matrix products' inner loop became a scalar add, then a register shuffle on the vector pipes the FMAs need.
- * Measured over a step's projections (AVX2 EPYC, 2 threads): 0.55-0.65x the time at 9-36 rows. */
+/* One float in every lane, read straight from memory (vbroadcastss m32). Not `(vf){0} + s`: without -ffast-math the
+ * compiler must keep the addition of +0, a scalar add and a shuffle on the ports the FMAs need. */
 static inline vf splat(const float *s) {
 #if SLED_VBYTES == 16
     return (vf){*s, *s, *s, *s};
@@ -301,18 +283,9 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         for (int v = 0; v < NV; ++v) c[m][v] = acc[m][v];
 }
 
-/* One function per row count, each compiled on its own. Inlined into gemv (the earlier form), GCC 12 folded a
- * weight load into each of the 6-row loop's 12 FMAs, 12 loads a step over k where 2 do, and the loads then
- * outnumber what the load ports take while the FMAs wait (forcing the 2 loads into registers there spilled two
- * accumulators to the stack instead). Apart, each loop is NV loads, MR broadcasts from memory and MR x NV FMAs.
- * Measured with the broadcast fix above, over a whole step of SmolLM2-135M's shapes (standalone, 2 threads,
- * AVX2 EPYC): 0.70x the time at 18 rows and 0.66x at 36.
- * Apart, GCC 11 and 12 still folded the weight loads into the FMAs of the 2- to 4-row loops (at 4 rows 12 loads a
- * step for 8 FMAs, where 6 do), and the blocks of a batch's last rows (16 rows: 6 + 6 + 4) ran load-bound.
- * SLED_IN_REGISTER keeps the weight vectors in registers there too (the 5- and 6-row loops compile as before).
- * Measured on the AVX2-only EPYC (a noisy host): the whole step of the real model (both builds in one process,
- * interleaved, two runs of 9 rounds) 0.92-0.98x the time at 12 to 40 tokens, 0.99-1.02x at 1 to 8, where the step
- * is memory-bound; the same logits, bit for bit. */
+/* One function per row count, each compiled on its own: inlined into gemv, GCC folded a weight load into every FMA
+ * and the loop ran load-bound. Apart, each loop is NV loads, MR broadcasts and MR x NV FMAs; SLED_IN_REGISTER keeps
+ * the weight vectors in registers in the 2- to 4-row loops too. */
 #define SLED_BLOCK(R)                                                                                           \
     static __attribute__((noinline)) void block_##R(const float *x, int64_t ldx, const float *p, int64_t K,    \
                                                     vf c[MR][NV], const char *pf, int64_t pfstep, int more) {  \
@@ -386,65 +359,16 @@ static inline __attribute__((always_inline)) void store_block(vf c[MR][NV], int 
     }
 }
 
-/* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k] for w packed in panels (p), the panels
- * split across threads; each thread runs its panel over every block of MR batch rows while the panel is in cache.
- * From 3 rows (8 with 128-byte panel rows, below), the thread's next panel is prefetched while this one is computed, so
- * that it streams in meanwhile instead of after it (first measured: 0.83-0.94x the time at 3 to 12 rows, 1.02-1.08x at
- * 1 and 2, where one block streams each panel and the second stream only competes with it). Each of the panel's blocks
- * prefetches its share of the next panel, evenly over its steps: when the first block prefetched it all, it asked for a
- * line every step of 6 rows (about 26 GB/s a core at 2.45 GHz against about 10 that a core gets here), the misses
- * queued behind one another and stalled its loads, and the later blocks ran with memory idle. Spread, the same lines go
- * out at the rate they arrive. Measured on an AVX2-only EPYC (copy bandwidth about 21 GB/s), 2 threads: the projections
- * of 30 layers of SmolLM2-135M's shapes (a C probe, 15 rounds interleaved) 0.78-0.86x the time at 8 to 32 rows, 1.00x
- * at 4; the whole step of the real model (both builds in one process, interleaved, medians of 9 rounds) 0.72-0.85x at 8
- * to 32 tokens, 0.89x at 48, 1.01-1.04x at 1 to 4 (the same code there).
- * SLED_PREFETCH_SPREAD=0 builds the first-block form, for such a comparison.
- * The M rows run as ceil(M / MR) blocks (ceil(M / MR_MANY) past two, below) of nearly equal height (13 rows at
- * MR 6: 5 + 4 + 4), not MR rows a block with the rest in the last (6 + 6 + 1): each block prefetches an equal
- * share of the next panel, and a short last block asked for its share within a few steps, stalled on memory,
- * and ran its one or two rows load-bound.
- * Measured on an AVX-512 EPYC (family 25 model 17), 2 threads, the whole step of the real model (both builds in
- * one process, interleaved, medians of 5 rounds, the same logits bit for bit): 0.73-0.85x the time at 7 to 9
- * tokens, 0.84-0.87x at 13 and 14, 0.86-0.92x at 19 and 20; 0.96-1.02x at 10, 11, 16, 17, 24 and 32 and where
- * both forms block alike (1 to 6 rows). SLED_BALANCED_BLOCKS=0 builds the earlier form, for such a comparison.
- * With panels of 128 bytes a k row (AVX-512, 32 floats), the next panel is prefetched from 8 rows, not 3: a single
- * block of 3 to 6 rows asked for a line of the next panel every step on top of the 128 bytes it computes on (one
- * prefetch a step, so every other line of it; since then every line of a step's share is asked for, and that
- * measured 1.07-1.14x the time at 3 to 6 tokens against none, one pass of 3 rounds), and the misses stalled its
- * loads as above. Measured on the AVX-512 EPYC (both builds in one process, interleaved, medians
- * of 5 rounds, the same logits bit for bit): the whole step 0.91x the time at 3 tokens, 0.86x at 4, 0.83x at 5,
- * 0.81x at 6, 1.00-1.02x at 1, 2 and 7 (two blocks); from 8 rows both builds are the same code, and a build with no
- * prefetch at all was 1.10-1.18x slower at 12 to 20. In the system benchmark's load at 4 devices (two servers
- * side by side, 4 interleaved passes) server-only, whose steps are 4 tokens, committed 1.11-1.16x the tokens a
- * second; SLED 0.98-1.02x. On the AVX2 EPYC (64-byte panel rows) prefetching from 3 rows measured 0.83-0.94x the
- * time at 3 to 12 rows (the first-block form, against none), so narrower panels keep it from 3.
- * SLED_PREFETCH_MIN_ROWS sets the threshold, for such a comparison. On an Intel AVX-512 host (a 2-core VM,
- * -march=native rocketlake) the whole step took 1.05x the time at 1 token, 1.12x at 2 and 1.27-1.39x at 3 to 7
- * prefetching from 8 rows against from 1 (scripts/bench_fused_builds.py, the same logits bit for bit; 0.99-1.00x at
- * 8, 12 and 16), so kernels/cpu_step.py builds Intel AVX-512 CPUs with SLED_PREFETCH_MIN_ROWS=1 (host_defines).
- * AVX-512's 32 registers take blocks of 8 rows (16 accumulators). A block is up to MR rows (8 there) where two
- * blocks take the batch and up to MR_MANY (6) where more are needed. Measured on the AVX-512 EPYC against 6 rows
- * a block at every size (both builds in one process, interleaved, medians of 6 rounds, the same logits bit for
- * bit): the whole step 0.92x the time at 7 tokens (one block of 7 against 4 + 3), 0.95-0.97x at 13 to 16 (two
- * blocks against three), 0.97-1.01x at 1 to 6, 8 to 12, 17, 18, 20, 24 and 32. Three blocks of up to 8 rows
- * measured 1.01-1.08x the time at 20 to 24 against four of up to 6 (three passes), hence MR_MANY.
- * With SLED_KC (k rows), a panel of two or more blocks (up to SLED_KC_BLOCKS) is taken a chunk of k rows at a time:
- * every block runs the chunk, its sums kept between chunks (the same additions in the same order: the same results
- * bit for bit), and the blocks prefetch the next chunk, their shares spread as above. Whole panels, the blocks after
- * the first read the panel again from L2 (a panel of 576 k rows is 72 KB at 128 bytes a row, more than L1), each
- * line an L1 miss holding a fill buffer that the next panel's prefetches also need, so its products wait on memory;
- * a chunk (8 KB at 64 rows) is still in L1 for them. And with SLED_KC_SPLIT_FROM, a batch of that many rows or more
- * that one block would take (up to MR) is taken as two, chunked: the products of one block of 5 to 8 rows ran
- * behind its own stream. Measured on an Intel AVX-512 host (the 2-core VM above; scripts/bench_fused_builds.py,
- * the whole step of the real model, the builds in one process, interleaved, medians of 7 rounds, the same logits
- * bit for bit): the build before (whole panels, one block up to MR rows) took 1.06-1.14x the time of chunks of 64
- * split from 4 rows at 4 to 8 tokens, 1.06-1.10x at 9 to 24, 1.03x at 32 and 0.95-1.01x at 1 to 3 (the same code
- * there); in a run before, splitting from 3 rows took 0.97x the time at 3 tokens (noise-level), and from 5 none at
- * 4 where from 3 took 0.92x. The projections alone (a C probe over the model's 121 matrices, 3 runs): 0.93x the
- * time at 16 rows with chunks of 64, 0.92-0.96x with 32 to 128 rows a chunk. kernels/cpu_step.py builds Intel
- * AVX-512 CPUs with SLED_KC=64 and SLED_KC_SPLIT_FROM=4 (host_defines); elsewhere (not measured) whole panels stay.
- * Chunks stop at 6 blocks (SLED_KC_BLOCKS; 36 rows at MR_MANY 6): with 7 and 8 (37 to 48 rows) the build before took
- * 0.96-1.00x the time at 40 to 48 tokens (0.99x at 36, 1.03x at 32; 0.97x at 56, the same code there). */
+/* y[m, n] = (accumulate ? y[m, n] : 0) + b[n] + sum_k x[m, k] w[n, k] for w packed in panels (p), the panels split
+ * across threads; each thread runs its panel over every block of batch rows while the panel is in cache.
+ * - From SLED_PREFETCH_MIN_ROWS rows the thread's next panel is prefetched meanwhile, each block its share, spread
+ *   over its steps (SLED_PREFETCH_SPREAD; 0: the first block asks for it all, which stalls on its own misses).
+ * - The rows run as ceil(M / MR) blocks (ceil(M / MR_MANY) past two) of nearly equal height (SLED_BALANCED_BLOCKS;
+ *   0: full blocks and the rest in the last), so each block's share of the prefetch is equal.
+ * - With SLED_KC, a panel of 2 to SLED_KC_BLOCKS blocks is taken SLED_KC k rows at a time by every block, its sums
+ *   kept between chunks (the same additions in the same order), so the later blocks read the chunk from L1, not L2;
+ *   with SLED_KC_SPLIT_FROM a batch of that many rows or more that one block would take is taken as two.
+ * kernels/cpu_step.py chooses these per CPU (host_defines); why: docs/kernels.md. */
 static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const float *b, float *y, int64_t ldy,
                  int64_t N, int64_t K, int accumulate) {
     int64_t npanels = (N + NR - 1) / NR;
@@ -455,9 +379,7 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
 #if !SLED_BALANCED_BLOCKS
     base = M <= 2 * MR ? MR : MR_MANY, extra = 0;
 #endif
-    /* Whole panels keep the loop they had before chunks, apart from the chunked one below: run as one chunk of K
-     * rows there (a first form), the steps of 1 to 8 tokens, the same work, measured 1.03-1.06x the time in one
-     * bench_fused_builds run (not repeated, so possibly the host's noise); apart, the code they run is unchanged. */
+    /* Whole panels keep a loop of their own, apart from the chunked one below. */
     if (!(SLED_KC > 0 && nb >= 2 && nb <= SLED_KC_BLOCKS)) {  /* whole panels */
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < npanels; ++q) {

@@ -52,17 +52,9 @@ def _cpu_id() -> str:
 
 def host_defines(vendor: str | None = None, flags: str | None = None) -> tuple[str, ...]:
     """The defines of this CPU's own build beyond what -march=native decides: where the best setting was measured
-    to depend on the vendor, not the instruction set. `vendor` and `flags` are /proc/cpuinfo's lines (read here
-    when None).
-
-    AVX-512 prefetches the next panel from 8 rows by default, as measured on an AMD EPYC (cpu_step.c, at
-    SLED_PREFETCH_MIN_ROWS). On an Intel host with AVX-512 (a 2-core VM, -march=native rocketlake) prefetching from
-    1 row measured faster at every size below 8 and the same above: one session's forward of SmolLM2-135M
-    (scripts/bench_fused_builds.py, both builds in one process, interleaved; docs/benchmarks.md, the run of
-    2026-11-26) took 1.05x the time at 1 token, 1.12x at 2 and 1.27-1.39x at 3 to 7 without it, 0.99-1.00x at 8,
-    12 and 16, the same logits bit for bit. There too, panels taken 64 k rows at a time by all their row blocks, and batches of 4 to 8 rows
-    taken as two blocks that way (SLED_KC, SLED_KC_SPLIT_FROM): the build without them took 1.06-1.14x the time
-    from 4 to 24 tokens (cpu_step.c, at gemv)."""
+    to depend on the vendor, not the instruction set (docs/kernels.md). On Intel CPUs with AVX-512 the next panel is
+    prefetched from one batch row, and panels are taken 64 k rows at a time, a batch of 4 to 8 rows as two blocks.
+    `vendor` and `flags` are /proc/cpuinfo's lines (read here when None)."""
     vendor = _cpuinfo("vendor_id") if vendor is None else vendor
     flags = _cpu_id() if flags is None else flags
     if "GenuineIntel" in vendor and "avx512f" in flags.split():

@@ -37,9 +37,8 @@ def linear_reference(weights: Sequence[torch.Tensor], biases: Sequence[torch.Ten
     return project
 
 
-# The row count oneDNN picks its weight layout for. A layout made for 1 row slows every step of several rows:
-# measured here over the SmolLM2 projections, 4 rows took 33 ms against 17 ms, 27 rows 43 against 31 and
-# 144 rows 196 against 98 ms, while one row ran no slower on the layout for 16 to 256 rows.
+# The row count oneDNN packs the weights for: a layout made for 1 row slows every step of several rows, and one row
+# runs no slower on this one (docs/kernels.md).
 PACK_ROWS = 64
 
 

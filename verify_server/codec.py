@@ -6,14 +6,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from sled.v1 import verify_pb2 as pb
 from sled.v1.limits import MAX_STOP_TOKENS, greedy_temperature
 
 from .auth import Identity
-from .errors import invalid
-from .sessions import LENGTH, STOP, DraftRequest, OpenRequest, SamplingParams, Session, Verdict
+from .errors import SledError, invalid
+from .sessions import LENGTH, STOP, DraftRequest, Fly, OpenRequest, SamplingParams, Session, SparseQ, Verdict
 
 PROB_SUM_TOLERANCE = 1e-3
 
@@ -34,8 +33,33 @@ def _check_ids(ids, vocab_size: int, what: str) -> None:
         raise invalid(f"{what} id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
 
 
-def open_from_pb(msg: pb.Open, vocab_size: int, max_seq_len: int,
-                 device: Identity = Identity("", False)) -> OpenRequest:
+def fly_from_pb(msg: pb.Open, sampling: SamplingParams, config) -> Fly | None:
+    """The session's loose verification, or None for exact: what the Open asks, else the server's default."""
+    mode = msg.verification
+    if mode == pb.VERIFICATION_UNSPECIFIED:  # a server's FLy default applies to greedy sessions only
+        mode = pb.VERIFICATION_FLY if config.verification == "fly" and sampling.greedy else pb.VERIFICATION_EXACT
+    if mode == pb.VERIFICATION_EXACT:
+        return None
+    if mode != pb.VERIFICATION_FLY:
+        raise invalid(f"verification {mode} is not one this server knows (exact 1, fly 2)")
+    if not config.allow_fly:
+        raise SledError("FAILED_PRECONDITION", "this server does not allow FLy verification (allow_fly: false); "
+                                               "open with exact verification")
+    if not sampling.greedy:
+        raise invalid("FLy verification applies to greedy sessions (temperature 0) only: sampling is verified "
+                      "exactly")
+    window = msg.fly_window or config.fly_window
+    threshold = msg.fly_entropy_threshold or config.fly_entropy_threshold
+    if not 1 <= window <= config.max_draft_tokens:
+        raise invalid(f"fly_window must be in 1..{config.max_draft_tokens} (max_draft_tokens), got {window}")
+    if not 0 <= threshold < 10:
+        raise invalid(f"fly_entropy_threshold must be in [0, 10), got {threshold}")
+    return Fly(window, threshold)
+
+
+def open_from_pb(msg: pb.Open, vocab_size: int, config, device: Identity = Identity("", False)) -> OpenRequest:
+    """An Open, checked against the server's settings (`config`: its context limit, its verification defaults)."""
+    max_seq_len = config.max_seq_len
     ids = tuple(msg.context_token_ids)
     if not ids:
         raise invalid("context_token_ids is empty: send at least one prompt token")
@@ -48,9 +72,10 @@ def open_from_pb(msg: pb.Open, vocab_size: int, max_seq_len: int,
     _check_ids(stops, vocab_size, "stop token")
     if msg.max_tokens <= 0:
         raise invalid("max_tokens must be at least 1")
-    return OpenRequest(context_token_ids=ids, sampling=sampling_from_pb(msg.sampling),
-                       max_tokens=msg.max_tokens, stop_token_ids=stops, client_id=msg.client_id[:128],
-                       server_decodes=msg.server_decodes, device=device)
+    sampling = sampling_from_pb(msg.sampling)
+    fly = fly_from_pb(msg, sampling, config)
+    return OpenRequest(context_token_ids=ids, sampling=sampling, max_tokens=msg.max_tokens, stop_token_ids=stops,
+                       client_id=msg.client_id[:128], server_decodes=msg.server_decodes, device=device, fly=fly)
 
 
 def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top_k: int) -> DraftRequest:
@@ -60,7 +85,7 @@ def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top
         raise invalid(f"draft of {n} tokens is longer than the server's max_draft_tokens={max_draft_tokens}")
     _check_ids(tokens, vocab_size, "draft token")
     if not msg.HasField("draft_probs") or n == 0:
-        return DraftRequest(msg.round, tokens, None, None)
+        return DraftRequest(msg.round, tokens)
     sd = msg.draft_probs
     offsets = np.asarray(sd.offsets, dtype=np.int64)
     ids = np.asarray(sd.token_ids, dtype=np.int64)
@@ -82,21 +107,17 @@ def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top
     sums = np.add.reduceat(probs, offsets[:-1]) if len(probs) else np.zeros(n)
     if (np.abs(sums - 1.0) > PROB_SUM_TOLERANCE).any():
         raise invalid(f"each draft distribution must sum to 1, got sums {np.round(sums, 4).tolist()}")
-    k = int(counts.max())
-    rows = np.repeat(np.arange(n), counts)
-    cols = np.arange(len(ids)) - np.repeat(offsets[:-1], counts)
-    q_ids = np.zeros((n, k), dtype=np.int64)
-    q_probs = np.zeros((n, k), dtype=np.float32)
-    q_ids[rows, cols] = ids
-    q_probs[rows, cols] = probs
-    return DraftRequest(msg.round, tokens, torch.from_numpy(q_ids), torch.from_numpy(q_probs))
+    return DraftRequest(msg.round, tokens, SparseQ(counts, ids, probs))
 
 
 def opened_to_pb(session: Session, max_draft_tokens: int, vocab_size: int, context_limit: int,
                  target_name: str, server_decodes: bool = False) -> pb.ServerMessage:
-    return pb.ServerMessage(opened=pb.Opened(session_id=session.id, max_draft_tokens=max_draft_tokens,
-                                             vocab_size=vocab_size, context_limit=context_limit,
-                                             target_name=target_name, server_decodes=server_decodes))
+    fly = session.fly
+    return pb.ServerMessage(opened=pb.Opened(
+        session_id=session.id, max_draft_tokens=max_draft_tokens, vocab_size=vocab_size,
+        context_limit=context_limit, target_name=target_name, server_decodes=server_decodes,
+        verification=pb.VERIFICATION_FLY if fly else pb.VERIFICATION_EXACT, fly_window=fly.window if fly else 0,
+        fly_entropy_threshold=fly.entropy_threshold if fly else 0.0))
 
 
 _REASONS = {STOP: pb.FINISH_REASON_STOP, LENGTH: pb.FINISH_REASON_LENGTH, None: pb.FINISH_REASON_UNSPECIFIED}
@@ -105,7 +126,7 @@ _REASONS = {STOP: pb.FINISH_REASON_STOP, LENGTH: pb.FINISH_REASON_LENGTH, None: 
 def verdict_to_pb(v: Verdict) -> pb.ServerMessage:
     msg = pb.Verdict(round=v.round, n_accepted=v.n_accepted, finished=v.finished,
                      finish_reason=_REASONS[v.finish_reason], step_ms=v.step_ms, step_tokens=v.step_tokens,
-                     step_sessions=v.step_sessions, token_ms=v.token_ms, queue_ms=v.queue_ms)
+                     step_sessions=v.step_sessions, token_ms=v.token_ms, queue_ms=v.queue_ms, n_loose=v.n_loose)
     if v.next_token is not None:
         msg.next_token = v.next_token
     return pb.ServerMessage(verdict=msg)

@@ -39,6 +39,12 @@ class ServerConfig:
     # KV of prompt prefixes that different sessions share (system prompts), kept for new sessions; 0 turns it off.
     prefix_cache_tokens: int = 1024
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
+    # How drafts are verified where an Open does not say: exact (lossless) or fly (loosely, greedy sessions only: the
+    # text is then no longer exactly the target's); allow_fly false refuses sessions that ask for FLy.
+    verification: str = "exact"
+    allow_fly: bool = True
+    fly_window: int = 6  # FLy's deferred window W
+    fly_entropy_threshold: float = 0.3  # FLy's entropy gate, nats over the target's top-3 probabilities
     auth_token: str | None = None  # when set, Open must carry it (or a device token of auth_tokens_file)
     auth_token_file: str | None = None  # a file whose first line is auth_token, to keep it off the command line
     # Per-device credentials: lines NAME:SHA256HEX (the hex SHA-256 of that device's token, so the file holds no
@@ -59,8 +65,7 @@ class ServerConfig:
     # use with the system C compiler): auto (where it builds, else PyTorch) | on (it or an error) | off.
     fused: str = "auto"
     # Past it PyTorch's oneDNN matmuls win, once many rows share each weight read, at a count that depends on the
-    # CPU (bench_engine's sweep, docs/benchmarks.md: between 8 and 9 tokens on an AMD EPYC host, past 32 on a Xeon
-    # host). None: measured at start-up, one session's forward of 1-64 tokens through both.
+    # CPU. None: timed at start-up, one session's forward of 1-256 tokens through both (docs/kernels.md).
     fused_max_tokens: int | None = None
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
@@ -80,6 +85,16 @@ class ServerConfig:
             positive(name)
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
+        if self.verification not in ("exact", "fly"):
+            raise ValueError(f"verification must be exact or fly, got {self.verification!r}")
+        if self.verification == "fly" and not self.allow_fly:
+            raise ValueError("verification fly as the default needs allow_fly")
+        if self.fly_window < 1:  # the upper bound, max_draft_tokens, is checked per session at Open
+            raise ValueError(f"fly_window must be positive, got {self.fly_window}")
+        if self.verification == "fly" and self.fly_window > self.max_draft_tokens:
+            raise ValueError(f"fly_window ({self.fly_window}) must be at most max_draft_tokens ({self.max_draft_tokens})")
+        if not 0 <= self.fly_entropy_threshold < 10:  # also refuses NaN; ln 3 is the most three tokens can have
+            raise ValueError(f"fly_entropy_threshold must be in [0, 10), got {self.fly_entropy_threshold!r}")
         if self.max_sessions_per_device < 0:
             raise ValueError(f"max_sessions_per_device must be >= 0 (0: no limit), got {self.max_sessions_per_device}")
         check_token(self.auth_token, self.auth_token_file)

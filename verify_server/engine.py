@@ -1,4 +1,5 @@
-"""The engine worker: it alone owns the model and the KV pool, and runs step() = plan, run, commit."""
+"""The engine worker: it alone owns the model and the KV pool. Any thread hands it messages (open, verify, close) and
+gets answers through callbacks; its own thread runs step() = plan → batch → forward → sample → commit."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from typing import Callable
 
 import torch
 
-from kernels.attention import Segment
 from kernels.cpu_step import row_argmax
-from kernels.rejection_sampler import NonFiniteLogitsError, SamplingBatch, rejection_sample
+from kernels.rejection_sampler import NonFiniteLogitsError, rejection_sample
 
+from .batch import StepBatch
 from .config import ServerConfig
 from .cost_model import StepCostModel
 from .errors import SledError, exhausted
@@ -28,8 +29,9 @@ from .metrics import Metrics
 from .model_loader import Target
 from .model_runner import ModelInput, ModelRunner
 from .prefix_cache import PrefixCache
-from .scheduler import Plan, Scheduler, VerifyWork
+from .scheduler import Scheduler, VerifyWork
 from .sessions import LENGTH, DraftRequest, OpenRequest, Session, Verdict, commit_tokens
+from .step_floor import StepFloor
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ class Engine:
         self.kv = KVCache.create(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
                                  config.max_seq_len, head_dim, param.dtype, param.device)
         self.runner = ModelRunner(target.model, self.kv, attention, config.linear, config.fused, config.fused_max_tokens)
+        if config.min_step_ms or config.min_step_ms_per_token:
+            self.runner = StepFloor(self.runner, config.min_step_ms, config.min_step_ms_per_token)
         self._kernels = self.runner.kernels()
         self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_tokens)
         self.scheduler = Scheduler(config)
@@ -71,8 +75,10 @@ class Engine:
 
     # ---- API for any thread: messages to the worker, answered through `reply` ----
 
-    def open(self, request: OpenRequest, reply: Reply) -> None:
-        self._inbox.put(("open", request, reply))
+    def open(self, request: OpenRequest, reply: Reply, on_verdict: Reply | None = None) -> None:
+        """Open a session; `reply` gets it. A session the server decodes (request.server_decodes) is verified with an
+        empty draft at every step until it finishes, each Verdict (or error) handed to `on_verdict`."""
+        self._inbox.put(("open", (request, on_verdict), reply))
 
     def verify(self, session_id: str, draft: DraftRequest, reply: Reply) -> None:
         self._inbox.put(("verify", (session_id, draft, time.monotonic()), reply))
@@ -98,6 +104,7 @@ class Engine:
             "forward_seconds_total": m.forward_seconds_total,
             "sessions_opened": m.sessions_opened,
             "prefix_cache_hit_tokens": m.prefix_cache_hit_tokens,
+            "loosely_accepted_tokens": m.loosely_accepted_tokens,
         }
 
     def kernels(self) -> dict:
@@ -121,24 +128,10 @@ class Engine:
                          ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
             for n in (8, 1, 5, 1, 16, 1, 16):
                 t0 = time.monotonic()
-                self._forward(ModelInput.placeholder(n, slot))
+                self.runner.forward(ModelInput.placeholder(n, slot))
                 self.costs.record(n, time.monotonic() - t0)
         finally:
             self.kv.free(slot)
-
-    def _forward(self, inp: ModelInput):
-        """The runner's forward, lasting at least the configured floor (min_step_ms + min_step_ms_per_token per
-        token; off by default), the rest slept: a GPU's step profile for a small target on a CPU. Slept inside the
-        timed forward, so the cost model's per-token slope, which the devices' controllers read, is the floor's."""
-        if not (self.config.min_step_ms or self.config.min_step_ms_per_token):
-            return self.runner.forward(inp)  # the default: nothing added to the step
-        t0 = time.monotonic()
-        logits = self.runner.forward(inp)
-        floor = (self.config.min_step_ms + self.config.min_step_ms_per_token * int(inp.token_ids.numel())) / 1000.0
-        left = floor - (time.monotonic() - t0)
-        if left > 0:
-            time.sleep(left)
-        return logits
 
     def start(self, executor: Executor | None = None) -> None:
         """Run the step loop on `executor`'s thread, best the one that built the engine (see VerifyServer), or
@@ -196,8 +189,6 @@ class Engine:
     def _ready(self, now: float) -> bool:
         # The batching window counts from the worker's intake, not from arrival: a draft handed in during a step
         # still waits up to max_wait_ms after it, so the devices that step just answered can join the next one.
-        # Counted from arrival (tried in stop 25, the runs in commit 0bf13a8's message), the next step started at
-        # once with fewer sessions: server-only lost about 10% at 16 and 32 devices, and SLED gained nothing.
         oldest = self._pending[0].enqueued if self._pending else None
         prefilling = self._prefilling()
         if prefilling and oldest is None:
@@ -228,7 +219,7 @@ class Engine:
     def _handle(self, kind: str, payload, reply: Reply | None) -> None:
         try:
             if kind == "open":
-                reply(self._open(payload))
+                reply(self._open(*payload))
             elif kind == "verify":
                 self._enqueue_verify(*payload, reply)
             elif kind == "close":
@@ -236,8 +227,12 @@ class Engine:
         except SledError as err:
             if reply is not None:
                 reply(err)
+        except Exception as err:  # noqa: BLE001 - the worker must outlive any one message
+            log.exception("engine failed on a %s message", kind)
+            if reply is not None:
+                reply(SledError("INTERNAL", f"the server failed on this {kind}: {err}"))
 
-    def _open(self, req: OpenRequest) -> Session:
+    def _open(self, req: OpenRequest, on_verdict: Reply | None = None) -> Session:
         cfg = self.config
         device = req.device
         limit = cfg.max_sessions_per_device
@@ -258,11 +253,13 @@ class Engine:
         session = Session(id=uuid.uuid4().hex, slot=slot, tokens=list(req.context_token_ids),
                           sampling=req.sampling, remaining=req.max_tokens,
                           stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id,
-                          device=device)
+                          device=device, decoded_here=req.server_decodes and on_verdict is not None, fly=req.fly)
         session.kv_len = self.prefix_cache.load(slot, session.tokens)
         if session.kv_len:
             self.metrics.record_prefix_hit(session.kv_len)
         self._sessions[session.id] = session
+        if req.server_decodes and on_verdict is not None:  # its first token is asked now, the next at each verdict
+            self._pending.append(VerifyWork(session, DraftRequest.empty(0), on_verdict))
         self.metrics.record_open(device.label)
         self.metrics.active_sessions.set(len(self._sessions))
         log.info("session %s opened for %s%s: %d context tokens", session.id, device.name,
@@ -310,130 +307,87 @@ class Engine:
     # ---- one step ----
 
     def step(self) -> None:
-        t0 = time.monotonic()
         plan = self.scheduler.plan(self._pending, self._prefilling(), self._prefill_chunk())
         if not plan:
             return
+        t0 = time.monotonic()
         for work in plan.verifies:
             self._pending.remove(work)
-        drafts = [self._clip(w) for w in plan.verifies]
         try:
-            inp = self._model_input(plan, drafts)
-            t_fwd = time.monotonic()
-            logits = self._forward(inp) if inp.token_ids.numel() else None
-            forward = time.monotonic() - t_fwd
-            verdicts = self._verify(plan.verifies, drafts, logits)
-        except Exception as exc:  # noqa: BLE001
+            batch = StepBatch.build(plan, self.config.max_seq_len, self._default_gen)
+            logits, forward_s = self._forward(batch)
+            verdicts = self._sample(batch, logits)
+        except Exception as exc:  # noqa: BLE001 - one batch's failure is its sessions' answer, not the worker's end
             log.exception("step failed")
             for work in plan.verifies:
                 work.reply(SledError("INTERNAL", f"verification failed: {exc}"))
             return
-        for p in plan.prefills:
+        self._commit(batch, verdicts, t0, forward_s)
+
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, float]:
+        tokens = batch.model_input.token_ids.numel()
+        t0 = time.monotonic()
+        logits = self.runner.forward(batch.model_input) if tokens else None
+        forward_s = time.monotonic() - t0
+        self.costs.record(int(tokens), forward_s)
+        return logits, forward_s
+
+    def _sample(self, batch: StepBatch, logits) -> list[tuple[int, int, int] | SledError]:
+        """Each verification's accepted count and next token; a session whose logits are not finite gets an error
+        and the others are sampled again without it."""
+        live = list(range(len(batch.verifies)))
+        results: list = [None] * len(live)
+        while live:
+            part = batch if len(live) == len(results) else batch.subset(live)
+            rows = logits if len(live) == len(results) else logits[batch.logit_rows(live)]
+            try:
+                ver = rejection_sample(rows, part.draft_token_ids, part.cu_num_draft_tokens, part.q_ids,
+                                       part.q_probs, part.sampling,
+                                       row_argmax=row_argmax if self.runner.fused is not None else None)
+            except NonFiniteLogitsError as err:
+                bad = {live[j] for j in err.request_indices}
+                for i in bad:
+                    results[i] = SledError("INTERNAL", "the target produced non-finite logits for this session; "
+                                                       "nothing was committed")
+                live = [i for i in live if i not in bad]
+                continue
+            for j, i in enumerate(live):
+                loose = int(ver.num_loose[j]) if ver.num_loose is not None else 0
+                results[i] = (int(ver.num_accepted[j]), int(ver.next_token[j]), loose)
+            break
+        return results
+
+    def _commit(self, batch: StepBatch, verdicts: list, t0: float, forward_s: float) -> None:
+        """Prefilled lengths, each session's committed tokens, one reply per verification; a session the server
+        decodes is asked its next token at once."""
+        for p in batch.plan.prefills:
             p.session.kv_len += p.length
             if p.session.prefilled:
                 self.prefix_cache.observe(p.session.slot, p.session.tokens, p.session.kv_len)
         end = time.monotonic()
-        step = end - t0
-        self.costs.record(int(inp.token_ids.numel()), forward)
-        load = {"step_ms": step * 1000.0, "step_tokens": int(inp.token_ids.numel()),
-                "step_sessions": len(plan.verifies), "token_ms": self.costs.token_ms}
-        for work, verdict in zip(plan.verifies, verdicts):
-            # The draft's wait through earlier steps (from its arrival to the end of the last one), not the
-            # batching window: the part of its round trip that the other sessions' drafts lengthen.
-            queue_ms = max(0.0, self._last_step_end - work.arrived) * 1000.0
-            work.reply(dataclasses.replace(verdict, **load, queue_ms=queue_ms) if isinstance(verdict, Verdict)
-                       else verdict)
+        load = {"step_ms": (end - t0) * 1000.0, "step_tokens": int(batch.model_input.token_ids.numel()),
+                "step_sessions": len(batch.verifies), "token_ms": self.costs.token_ms}
+        for work, draft, result in zip(batch.verifies, batch.drafts, verdicts):
+            if isinstance(result, tuple):  # (accepted, next token, accepted loosely); else the session's error
+                result = self._commit_one(work, draft, *result)
+                # The draft's wait through earlier steps (from its arrival to the end of the last one), not the
+                # batching window: the part of its round trip that the other sessions' drafts lengthen.
+                result = dataclasses.replace(result, **load,
+                                             queue_ms=max(0.0, self._last_step_end - work.arrived) * 1000.0)
+                if work.session.decoded_here and not result.finished:
+                    self._pending.append(VerifyWork(work.session, DraftRequest.empty(work.draft.round + 1),
+                                                    work.reply))
+            work.reply(result)
         self._last_step_end = end
-        self.metrics.record_step(len(plan.verifies), sum(p.length for p in plan.prefills), step,
-                                 [t0 - w.arrived for w in plan.verifies], forward)
+        self.metrics.record_step(len(batch.verifies), sum(p.length for p in batch.plan.prefills), end - t0,
+                                 [t0 - w.arrived for w in batch.verifies], forward_s)
 
-    def _clip(self, work: VerifyWork) -> list[int]:
-        """Draft tokens worth verifying: what fits in the context and in max_tokens."""
-        s = work.session
-        room = min(self.config.max_seq_len - s.kv_len - 1, s.remaining - 1)
-        return list(work.draft.token_ids[: max(room, 0)])
-
-    def _model_input(self, plan: Plan, drafts: list[list[int]]) -> ModelInput:
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        segments: list[Segment] = []
-        logit_rows: list[int] = []
-        for p in plan.prefills:
-            s = p.session
-            self._append(s, s.tokens[s.kv_len : s.kv_len + p.length], tokens, positions, slots, segments)
-        for work, draft in zip(plan.verifies, drafts):
-            s = work.session
-            logit_rows.extend(range(len(tokens), len(tokens) + len(draft) + 1))
-            self._append(s, [s.tokens[-1]] + draft, tokens, positions, slots, segments)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        return ModelInput(as_long(tokens), as_long(positions), as_long(slots), segments, as_long(logit_rows))
-
-    @staticmethod
-    def _append(s: Session, ids: list[int], tokens, positions, slots, segments) -> None:
-        start = s.kv_len
-        segments.append(Segment(s.slot, len(tokens), len(ids), start + len(ids)))
-        tokens.extend(ids)
-        positions.extend(range(start, start + len(ids)))
-        slots.extend([s.slot] * len(ids))
-
-    def _verify(self, works: list[VerifyWork], drafts: list[list[int]], logits) -> list[Verdict | SledError]:
-        if not works:
-            return []
-        results: list[Verdict | SledError | None] = [None] * len(works)
-        live = list(range(len(works)))
-        row_start = [0]
-        for d in drafts:
-            row_start.append(row_start[-1] + len(d) + 1)
-        while live:
-            if len(live) == len(works):
-                live_logits = logits  # the common case: no copy
-            else:
-                live_logits = logits[torch.cat([torch.arange(row_start[i], row_start[i + 1]) for i in live])]
-            try:
-                ver = self._sample([works[i] for i in live], [drafts[i] for i in live], live_logits)
-                break
-            except NonFiniteLogitsError as err:
-                for j in err.request_indices:
-                    results[live[j]] = SledError("INTERNAL", "the target produced non-finite logits for this session; nothing was committed")
-                live = [i for j, i in enumerate(live) if j not in set(err.request_indices)]
-        else:
-            return results  # type: ignore[return-value]
-        for j, i in enumerate(live):
-            results[i] = self._commit(works[i], drafts[i], int(ver.num_accepted[j]), int(ver.next_token[j]))
-        return results  # type: ignore[return-value]
-
-    def _sample(self, works: list[VerifyWork], drafts: list[list[int]], logits: torch.Tensor):
-        k_max = max([1] + [w.draft.q_ids.shape[1] for w in works if w.draft.q_ids is not None])
-        num_draft = sum(len(d) for d in drafts)
-        q_ids = torch.zeros(num_draft, k_max, dtype=torch.long)
-        q_probs = torch.zeros(num_draft, k_max, dtype=torch.float32)
-        cu = [0]
-        for work, draft in zip(works, drafts):
-            a, b = cu[-1], cu[-1] + len(draft)
-            if work.draft.q_ids is None:
-                q_ids[a:b, 0] = torch.tensor(draft, dtype=torch.long)
-                q_probs[a:b, 0] = 1.0
-            else:
-                k = work.draft.q_ids.shape[1]
-                q_ids[a:b, :k] = work.draft.q_ids[: len(draft)]
-                q_probs[a:b, :k] = work.draft.q_probs[: len(draft)]
-            cu.append(b)
-        sp = [w.session.sampling for w in works]
-        sampling = SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in sp], dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in sp], dtype=torch.long),
-            top_p=torch.tensor([p.top_p if 0 < p.top_p <= 1 else 1.0 for p in sp], dtype=torch.float32),
-            generators=tuple(w.session.generator for w in works),
-            default=self._default_gen,
-        )
-        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
-        return rejection_sample(logits, flat, torch.tensor(cu), q_ids, q_probs, sampling,
-                                row_argmax=row_argmax if self.runner.fused is not None else None)
-
-    def _commit(self, work: VerifyWork, draft: list[int], n_accepted: int, next_token: int) -> Verdict:
+    def _commit_one(self, work: VerifyWork, draft: list[int], n_accepted: int, next_token: int,
+                    n_loose: int = 0) -> Verdict:
         s = work.session
         kept, nxt, reason = commit_tokens(draft, n_accepted, next_token, s.stop_ids, s.remaining)
+        # a block cut at a stop token or the token budget keeps only the loose acceptances inside it
+        n_loose = min(n_loose, kept)
         block = draft[:kept] + ([nxt] if nxt is not None else [])
         s.tokens.extend(block)
         s.remaining -= len(block)
@@ -446,5 +400,5 @@ class Engine:
         else:
             s.kv_len = len(s.tokens) - 1
         s.last_active = time.monotonic()
-        self.metrics.record_verification(len(draft), kept, len(block), s.device.label)
-        return Verdict(work.draft.round, kept, nxt, reason is not None, reason)
+        self.metrics.record_verification(len(draft), kept, len(block), s.device.label, n_loose)
+        return Verdict(work.draft.round, kept, nxt, reason is not None, reason, n_loose=n_loose)

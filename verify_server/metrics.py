@@ -16,6 +16,7 @@ class Metrics:
     verifications: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    loosely_accepted_tokens: int = 0  # of accepted_tokens, accepted by FLy's loose rule
     emitted_tokens: int = 0
     prefill_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt positions copied from the prefix cache instead of prefilled
@@ -36,6 +37,8 @@ class Metrics:
         self._p_drafts = Counter("sled_spec_decode_num_drafts", "verifications with draft tokens", registry=r)
         self._p_draft_tokens = Counter("sled_spec_decode_num_draft_tokens", "draft tokens verified", registry=r)
         self._p_accepted = Counter("sled_spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self._p_loose = Counter("sled_spec_decode_num_loosely_accepted_tokens",
+                                "draft tokens accepted by FLy's loose rule (of those accepted)", registry=r)
         self._p_emitted = Counter("sled_generation_tokens", "tokens committed to sessions", registry=r)
         self._p_pos = Counter("sled_spec_decode_num_accepted_tokens_per_pos", "accepted tokens by draft position",
                               ["position"], registry=r)
@@ -86,9 +89,11 @@ class Metrics:
             self.sessions_refused += 1
         self._p_refusals.labels(device=device, reason=reason).inc()
 
-    def record_verification(self, num_draft: int, num_accepted: int, emitted: int, device: str = "anonymous") -> None:
+    def record_verification(self, num_draft: int, num_accepted: int, emitted: int, device: str = "anonymous",
+                            num_loose: int = 0) -> None:
         with self._lock:
             self.verifications += 1
+            self.loosely_accepted_tokens += num_loose
             self.emitted_tokens += emitted
             if num_draft:
                 self.drafts += 1
@@ -98,6 +103,8 @@ class Metrics:
                     self.accepted_per_position[pos] += 1
         self._p_emitted.inc(emitted)
         self._p_device_tokens.labels(device=device).inc(emitted)
+        if num_loose:
+            self._p_loose.inc(num_loose)
         if num_draft:
             self._p_drafts.inc()
             self._p_draft_tokens.inc(num_draft)

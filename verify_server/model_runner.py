@@ -67,18 +67,13 @@ def _check_segments(inp: ModelInput) -> None:
         raise ValueError(f"segments cover {covered} tokens of {len(positions)}")
 
 
-# On CUDA, with cuDNN's kernel in scaled_dot_product_attention's choice (its default), a step whose attention shape
-# PyTorch had not met before took 60-86 ms of host time instead of 11-16 ms (1B target, PyTorch 2.11, H100; the
-# efficient kernel ran either way: scripts/bench_gpu_step.py's "new context each step" columns), and the step's
-# longest context, hence its attention shape, changes at nearly every step. A runner's `sdpa_backends` starts as this.
+# The attention kernels PyTorch may choose from on CUDA: not cuDNN's, which costs host time at every attention shape
+# it has not met, and decoding meets a new one at nearly every step (docs/kernels.md). A runner's `sdpa_backends`.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# bench_engine's crossover on the AMD EPYC host this was first measured on (fused 0.97x PyTorch at 8 tokens, 1.07x
-# at 12): the threshold before calibrate_fused() runs, or where a runner is built without it.
+# The fused step's threshold before calibrate_fused() runs, or where a runner is built without it.
 UNCALIBRATED_FUSED_MAX_TOKENS = 8
-# Up to 256: with the matrix products FMA-bound (ccf292e) the fused step beat PyTorch here at every size tried, 0.86x at
-# 256 tokens, and SLED's steps at 32 devices are about 150 tokens. Each size is timed 3 times both ways; the large
-# ones dominate (about 12 s of the 15 on this 2-core host), and timing stops at the first size PyTorch wins.
+# The sizes calibrate_fused() times, up to a loaded server's largest steps; it stops at the first size PyTorch wins.
 CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -141,11 +136,9 @@ class ModelRunner:
         """Set fused_max_tokens where the fused step stops beating PyTorch on this machine: the largest of `sizes`
         up to which one session's forward of that many tokens (in `slot`, positions from 0) is at least as fast
         fused, the two timed alternately `repeats` times (best of each). A size PyTorch seems to win is timed
-        `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): on a
-        busy or freshly started host one disturbed stretch made PyTorch look faster at 48-128 tokens where it was
-        1.2x slower, which sent a loaded server's larger steps through PyTorch (SLED at 32 devices 0.72x the
-        tokens/s it had with the true threshold; commit message). Returns fused / PyTorch per size tried.
-        `timer(n, fused)`, for tests, replaces the measurement."""
+        `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
+        disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. Returns
+        fused / PyTorch per size tried. `timer(n, fused)`, for tests, replaces the measurement."""
         timer = timer or (lambda n, fused: self._time_forward(n, slot, fused))
         ratios, best = {}, 0
         for n in (n for n in sizes if n <= self.kv.max_seq_len):

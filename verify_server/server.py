@@ -48,11 +48,9 @@ class VerifyServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.port: int | None = None
-        # Every torch call of the server (load, packing, warm-up, the step loop) runs on this one thread. Each
-        # thread that enters an OpenMP region keeps its own pool of workers, and once the process holds more
-        # OpenMP threads than cores, libgomp stops spinning between regions: every parallel op then waits for
-        # a sleeping worker. Measured here, a batch-1 step took ~21 ms on one thread and ~35 ms on a thread
-        # started after another one had run torch.
+        # Every torch call of the server (load, packing, warm-up, the step loop) runs on this one thread: each thread
+        # that enters an OpenMP region keeps a pool of its own, and with more OpenMP threads than cores libgomp stops
+        # spinning between regions, so every parallel op would wait for a sleeping worker.
         self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sled-torch")
 
     async def _on_torch_thread(self, fn, *args):

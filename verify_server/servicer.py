@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 
 import grpc
@@ -14,7 +15,6 @@ from sled.v1 import verify_pb2_grpc as pb_grpc
 from . import codec
 from .auth import Authenticator, peer_host
 from .errors import SledError, invalid
-from .sessions import DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +30,21 @@ def _settle(fut: asyncio.Future, result: object, orphan=None) -> None:
         fut.set_result(result)
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Call fn(*args) on `loop` from the engine's thread; nothing where the loop has closed (the server stopped)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
 async def _ask(method, *args, orphan=None):
     """Hand a message to the engine worker and await its answer (handlers never run model code). `orphan(result)`
     takes an answer that comes after the asker was cancelled, or that its cancellation kept it from reading (an
     opened session nobody will close otherwise)."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-    method(*args, lambda result: loop.call_soon_threadsafe(_settle, fut, result, orphan))
+    method(*args, lambda result: _on_loop(loop, _settle, fut, result, orphan))
     try:
         return await fut
     except asyncio.CancelledError:
@@ -132,14 +140,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     if session is not None:
                         raise SledError("FAILED_PRECONDITION", "this stream already holds a session; one Open per stream")
                     identity = await self._identify(msg.open, context)
-                    request = codec.open_from_pb(msg.open, engine.vocab_size, cfg.max_seq_len, identity)
-                    session = await _ask(engine.open, request, orphan=lambda s: engine.close(s.id))
-                    self.recent_peers.append(context.peer())
+                    request = codec.open_from_pb(msg.open, engine.vocab_size, cfg, identity)
                     decodes = request.server_decodes
+                    verdicts: asyncio.Queue = asyncio.Queue()  # a session the server decodes: the engine's verdicts
+                    loop = asyncio.get_running_loop()
+                    push = (lambda v: _on_loop(loop, verdicts.put_nowait, v)) if decodes else None
+                    session = await _ask(functools.partial(engine.open, request, on_verdict=push),
+                                         orphan=lambda s: engine.close(s.id))
+                    self.recent_peers.append(context.peer())
                     yield codec.opened_to_pb(session, cfg.max_draft_tokens, engine.vocab_size, cfg.max_seq_len,
                                              engine.target.name, decodes)
                     if decodes:
-                        async for out in self._decode(engine, session.id, reader):
+                        async for out in self._decode(verdicts, reader):
                             yield out
                 elif kind == "draft":
                     if session is None:
@@ -163,30 +175,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if session is not None:
                 engine.close(session.id)  # also when the client vanished: its KV slot is freed
 
-    async def _decode(self, engine, session_id: str, reader: "_Reader"):
-        """Decode every token of a session on the server (Open.server_decodes), a Verdict each, until one is
-        finished or the client writes again (a Close, or anything else, which Session then answers). Each next
-        token is asked of the engine before the last one's Verdict is written, so the session keeps its place in
-        the engine's steps as a client on loopback would, and no network round trip comes between tokens."""
-        round_ = 0
-        asking = asyncio.ensure_future(_ask(engine.verify, session_id, DraftRequest.empty(round_)))
-        try:
-            while True:
-                incoming = reader.pending()
-                await asyncio.wait({asking, incoming}, return_when=asyncio.FIRST_COMPLETED)
-                if not asking.done():
+    async def _decode(self, verdicts: asyncio.Queue, reader: "_Reader"):
+        """Forward the Verdicts of a session the server decodes (the engine asks each next token itself) until one is
+        finished or the client writes again (a Close, or anything else, which Session then answers)."""
+        incoming = reader.pending()
+        while True:
+            if verdicts.empty() or incoming.done():
+                getting = asyncio.ensure_future(verdicts.get())
+                await asyncio.wait({getting, incoming}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():
+                    getting.cancel()
                     return  # the client wrote: Session reads it
-                verdict = asking.result()
-                if not verdict.finished:
-                    round_ += 1
-                    asking = asyncio.ensure_future(_ask(engine.verify, session_id, DraftRequest.empty(round_)))
-                yield codec.verdict_to_pb(verdict)
-                if verdict.finished:
-                    return
-        finally:
-            if not asking.done():
-                asking.cancel()
-            asking.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it now
+                verdict = getting.result()
+            else:
+                verdict = verdicts.get_nowait()
+            if isinstance(verdict, BaseException):
+                raise verdict
+            yield codec.verdict_to_pb(verdict)
+            if verdict.finished:
+                return
 
     async def GetInfo(self, request, context):
         engine = self._engine()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .auth import Identity
@@ -26,6 +27,14 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Fly:
+    """FLy's loose verification of a greedy session: its deferred window and entropy threshold."""
+
+    window: int
+    entropy_threshold: float
+
+
+@dataclass(frozen=True)
 class OpenRequest:
     context_token_ids: tuple[int, ...]
     sampling: SamplingParams
@@ -34,19 +43,29 @@ class OpenRequest:
     client_id: str = ""
     server_decodes: bool = False  # no drafts: the server decodes every token and streams it
     device: Identity = Identity("", False)  # who opened it (verify_server.auth)
+    fly: Fly | None = None  # loose verification (FLy); None: exact
+
+
+@dataclass(frozen=True)
+class SparseQ:
+    """The distributions a draft's tokens were sampled from, sparse and flat: token i's are the next counts[i]
+    entries of ids and probs. Padded to one width only with the step's other drafts (verify_server.batch)."""
+
+    counts: np.ndarray  # [num_draft] int64
+    ids: np.ndarray  # [sum(counts)] int64
+    probs: np.ndarray  # [sum(counts)] float32
 
 
 @dataclass(frozen=True)
 class DraftRequest:
     round: int
     token_ids: tuple[int, ...]
-    q_ids: torch.Tensor | None  # [num_draft, K] int64, None: each token chosen deterministically
-    q_probs: torch.Tensor | None  # [num_draft, K] float32
+    q: SparseQ | None = None  # None: each token chosen deterministically (q = 1 on it)
 
     @staticmethod
     def empty(round_: int) -> "DraftRequest":
         """No draft tokens: the verification emits the target's next token alone (a session the server decodes)."""
-        return DraftRequest(round_, (), None, None)
+        return DraftRequest(round_, ())
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,7 @@ class Verdict:
     step_sessions: int = 0
     token_ms: float = 0.0
     queue_ms: float = 0.0  # the draft's wait through earlier steps before its own
+    n_loose: int = 0  # of n_accepted, accepted loosely (FLy)
 
 
 @dataclass
@@ -74,6 +94,8 @@ class Session:
     generator: torch.Generator | None
     client_id: str = ""
     device: Identity = Identity("", False)
+    decoded_here: bool = False  # the server decodes it (Open.server_decodes): the engine asks each next token itself
+    fly: Fly | None = None
     kv_len: int = 0
     generated: int = 0
     finished: bool = False

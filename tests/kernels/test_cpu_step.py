@@ -222,8 +222,8 @@ def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
 
 
 def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops_there():
-    """One disturbed stretch (a fresh or busy host) made the fused step look slower at a size where it wins by
-    1.2x, and the threshold stopped there, sending a loaded server's large steps through PyTorch. A loss is
+    """One disturbed stretch (a fresh or busy host) made the fused step look slower at a size where it wins,
+    and the threshold stopped there, sending a loaded server's large steps through PyTorch. A loss is
     timed again; a real one still stops the calibration, after the re-timing."""
     model = _model(*SHAPES["head10-tails"])
     fused, _ = _runners(model)

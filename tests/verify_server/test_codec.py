@@ -1,12 +1,14 @@
 import math
 
 import pytest
-import torch
 
 from sled.v1 import verify_pb2 as pb
 from verify_server.codec import draft_from_pb, open_from_pb, verdict_to_pb
+from verify_server.config import ServerConfig
 from verify_server.errors import SledError
 from verify_server.sessions import Verdict
+
+CONFIG = ServerConfig(max_seq_len=64)
 
 
 def draft(tokens, offsets=None, ids=None, probs=None):
@@ -16,16 +18,15 @@ def draft(tokens, offsets=None, ids=None, probs=None):
     return msg
 
 
-def test_sparse_distributions_become_padded_tensors():
+def test_sparse_distributions_stay_sparse_until_the_step_pads_them():
     d = draft_from_pb(draft([4, 7], [0, 2, 3], [4, 5, 7], [0.75, 0.25, 1.0]), 100, 8, 8)
     assert d.token_ids == (4, 7) and d.round == 3
-    assert torch.equal(d.q_ids, torch.tensor([[4, 5], [7, 0]]))
-    assert torch.equal(d.q_probs, torch.tensor([[0.75, 0.25], [1.0, 0.0]]))
+    assert d.q.counts.tolist() == [2, 1] and d.q.ids.tolist() == [4, 5, 7]
+    assert d.q.probs.tolist() == [0.75, 0.25, 1.0]
 
 
 def test_deterministic_draft_has_no_q():
-    d = draft_from_pb(draft([4, 7]), 100, 8, 8)
-    assert d.q_ids is None and d.q_probs is None
+    assert draft_from_pb(draft([4, 7]), 100, 8, 8).q is None
 
 
 @pytest.mark.parametrize("msg,needle", [
@@ -51,7 +52,7 @@ def test_bad_drafts_are_invalid_argument(msg, needle):
 ])
 def test_bad_sampling_is_invalid_argument(sampling, needle):
     with pytest.raises(SledError) as err:
-        open_from_pb(pb.Open(context_token_ids=[1], max_tokens=1, sampling=sampling), 100, 64)
+        open_from_pb(pb.Open(context_token_ids=[1], max_tokens=1, sampling=sampling), 100, CONFIG)
     assert err.value.code == "INVALID_ARGUMENT" and needle in err.value.message
 
 
@@ -72,7 +73,7 @@ def test_verdict_without_next_token_leaves_the_field_unset():
 def test_bad_opens_are_invalid_argument(fields, needle):
     with pytest.raises(SledError) as err:
         open_from_pb(pb.Open(**{"max_tokens": 1, **fields}), 1000 if "stop_token_ids" in fields and len(
-            fields["stop_token_ids"]) > 1 else 100, 64)
+            fields["stop_token_ids"]) > 1 else 100, CONFIG)
     assert err.value.code == "INVALID_ARGUMENT" and needle in err.value.message
 
 
@@ -82,6 +83,29 @@ def test_a_temperature_below_the_floor_is_greedy_on_both_sides(temperature, gree
     from edge_client.sampling import SamplingParams as DeviceSampling
 
     request = open_from_pb(pb.Open(context_token_ids=[1], max_tokens=1,
-                                   sampling=pb.SamplingParams(temperature=temperature)), 100, 64)
+                                   sampling=pb.SamplingParams(temperature=temperature)), 100, CONFIG)
     assert request.sampling.greedy == greedy
     assert DeviceSampling(temperature=temperature).greedy == greedy
+
+
+def test_fly_is_asked_per_session_with_the_server_s_defaults_and_its_limits():
+    def fly(config=CONFIG, temperature=0.0, **fields):
+        msg = pb.Open(context_token_ids=[1], max_tokens=1, sampling=pb.SamplingParams(temperature=temperature),
+                      **fields)
+        return open_from_pb(msg, 100, config).fly
+
+    assert fly() is None and fly(verification=pb.VERIFICATION_EXACT) is None
+    got = fly(verification=pb.VERIFICATION_FLY)
+    assert (got.window, got.entropy_threshold) == (6, pytest.approx(0.3))  # the server's defaults
+    got = fly(verification=pb.VERIFICATION_FLY, fly_window=3, fly_entropy_threshold=0.5)
+    assert (got.window, got.entropy_threshold) == (3, pytest.approx(0.5))
+    fly_server = ServerConfig(max_seq_len=64, verification="fly")
+    assert fly(fly_server).window == 6  # the server's default mode
+    assert fly(fly_server, temperature=0.7) is None  # ... which leaves sampled sessions exact
+    for fields, config, code, needle in (
+            (dict(temperature=0.7), CONFIG, "INVALID_ARGUMENT", "greedy sessions (temperature 0) only"),
+            (dict(), ServerConfig(max_seq_len=64, allow_fly=False), "FAILED_PRECONDITION", "does not allow FLy"),
+            (dict(fly_window=17), CONFIG, "INVALID_ARGUMENT", "fly_window must be in 1..16")):
+        with pytest.raises(SledError) as err:
+            fly(config, verification=pb.VERIFICATION_FLY, **fields)
+        assert err.value.code == code and needle in err.value.message

@@ -28,7 +28,7 @@ def test_a_draft_that_arrives_during_a_step_reports_that_wait_and_one_that_arriv
     verdicts = {}
 
     def draft(session, token):
-        engine.verify(session.id, DraftRequest(1, (token,), None, None), lambda v, s=session.id: verdicts.setdefault(s, v))
+        engine.verify(session.id, DraftRequest(1, (token,)), lambda v, s=session.id: verdicts.setdefault(s, v))
 
     draft(first, 9)  # arrives with the server idle
     engine._drain(0)
@@ -51,7 +51,7 @@ def test_the_queue_wait_metric_counts_from_arrival_also_through_a_step_the_draft
     engine, first, second = _two_prefilled_sessions(target)
     verdicts = {}
     for session in (first, second):
-        engine.verify(session.id, DraftRequest(1, (9,), None, None), lambda v, s=session.id: verdicts.setdefault(s, v))
+        engine.verify(session.id, DraftRequest(1, (9,)), lambda v, s=session.id: verdicts.setdefault(s, v))
         if session is first:
             engine._drain(0)  # only the first is taken in before the step
     before = engine.stats()["queue_wait_seconds_total"]
@@ -69,10 +69,11 @@ def test_the_batching_window_counts_from_the_workers_intake_so_the_devices_just_
     # to join. Counted from its arrival instead, the next step would start at once without the devices the last
     # step just answered: server-only lost about 10% at 16 and 32 devices that way (engine.py, _ready).
     engine, first, _ = _two_prefilled_sessions(target, max_wait_ms=200.0)
-    engine.verify(first.id, DraftRequest(1, (9,), None, None), lambda v: None)
+    engine.verify(first.id, DraftRequest(1, (9,)), lambda v: None)
     time.sleep(0.25)  # the step it arrived during
     engine._drain(0)
     taken_in = time.monotonic()
     assert not engine._ready(taken_in)  # the other session is not waiting: only the window can start the step
     assert engine._next_timeout() > 0.1
     assert engine._ready(taken_in + 0.21)  # and the window does close
+

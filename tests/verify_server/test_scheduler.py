@@ -9,7 +9,7 @@ def session(i, tokens=3, kv_len=2):
 
 
 def work(s, k, t=0.0):
-    return VerifyWork(s, DraftRequest(0, tuple(range(k)), None, None), reply=None, enqueued=t)
+    return VerifyWork(s, DraftRequest(0, tuple(range(k))), reply=None, enqueued=t)
 
 
 def test_plan_respects_session_and_token_limits_and_shares_with_prefill():
