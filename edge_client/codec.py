@@ -22,6 +22,7 @@ class Opened:
     context_limit: int
     target_name: str
     server_decodes: bool = False  # the server decodes this session itself, a Verdict per token (Open.server_decodes)
+    fly_window: int = 0  # FLy's window where the server verifies this session loosely; 0: exact
 
 
 @dataclass(frozen=True)
@@ -36,18 +37,24 @@ class Verdict:
     step_sessions: int = 0
     token_ms: float = 0.0  # the server's marginal cost of one more token
     queue_ms: float = 0.0  # how long the draft waited at the server through earlier steps
+    n_loose: int = 0  # of n_accepted, accepted loosely (FLy)
+
+
+VERIFICATION = {None: pb.VERIFICATION_UNSPECIFIED, "exact": pb.VERIFICATION_EXACT, "fly": pb.VERIFICATION_FLY}
 
 
 def open_message(context: list[int], sampling: SamplingParams, max_tokens: int, fingerprint: str,
                  stop_token_ids: list[int] = (), client_id: str = "", auth_token: str = "",
-                 server_decodes: bool = False) -> pb.ClientMessage:
+                 server_decodes: bool = False, verification: str | None = None, fly_window: int = 0,
+                 fly_entropy_threshold: float = 0.0) -> pb.ClientMessage:
     sp = pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if sampling.seed is not None:
         sp.seed = sampling.seed
     return pb.ClientMessage(open=pb.Open(
         tokenizer_fingerprint=fingerprint, context_token_ids=context, sampling=sp, max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids), client_id=client_id, auth_token=auth_token or "",
-        server_decodes=server_decodes))
+        server_decodes=server_decodes, verification=VERIFICATION[verification], fly_window=fly_window,
+        fly_entropy_threshold=fly_entropy_threshold))
 
 
 def draft_message(session_id: str, round_: int, proposal: Proposal) -> pb.ClientMessage:
@@ -68,7 +75,8 @@ def opened_from(msg: pb.ServerMessage) -> Opened:
     if msg.WhichOneof("kind") != "opened":
         raise ValueError(f"expected Opened from the server, got {msg.WhichOneof('kind')}")
     o = msg.opened
-    return Opened(o.session_id, o.max_draft_tokens, o.vocab_size, o.context_limit, o.target_name, o.server_decodes)
+    return Opened(o.session_id, o.max_draft_tokens, o.vocab_size, o.context_limit, o.target_name, o.server_decodes,
+                  o.fly_window if o.verification == pb.VERIFICATION_FLY else 0)
 
 
 def verdict_from(msg: pb.ServerMessage) -> Verdict:
@@ -77,4 +85,4 @@ def verdict_from(msg: pb.ServerMessage) -> Verdict:
     v = msg.verdict
     return Verdict(v.round, v.n_accepted, v.next_token if v.HasField("next_token") else None, v.finished,
                    FINISH_REASONS.get(v.finish_reason), v.step_ms, v.step_tokens, v.step_sessions, v.token_ms,
-                   v.queue_ms)
+                   v.queue_ms, v.n_loose)

@@ -9,14 +9,16 @@ from typing import Any
 
 from sled.settings import check_token, load_settings, read_token_file
 
-from .generation import FALLBACKS
+from .drafters.base import DrafterOptions
+from .policy import DraftPolicy
+from .resilience import FALLBACKS, Resilience
 from .transport import TLS, read_ca, read_client_pair
 
 
 @dataclass(frozen=True)
 class EdgeConfig:
     server: str = "127.0.0.1:50051"  # verify server HOST:PORT
-    drafter: str = "llama-cpp"  # llama-cpp | onnx | cacheback | ngram | none
+    drafter: str = "llama-cpp"  # llama-cpp | onnx | cacheback | ngram | none | stacked | stack:PROPOSER+MODEL
     draft_model: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
     onnx_model: str | None = None  # .onnx for the onnx drafter
     tokenizer: str | None = None  # GGUF whose vocabulary tokenizes (default: draft_model)
@@ -25,13 +27,15 @@ class EdgeConfig:
     max_draft_tokens: int = 8  # the adaptive K's upper bound and first value
     draft_ahead: bool = True  # draft on while a draft is verified, used when the server accepts it all
     confidence_stop: bool = False  # the adaptive draft ends early at a token the drafter is too unsure of
+    # How the server verifies greedy requests: exact (lossless) or fly (FLy, loosely: the text is then no longer
+    # exactly the target's); None: the server's default. Sampled requests are always verified exactly.
+    verification: str | None = None
+    fly_window: int = 0  # FLy's deferred window W; 0: the server's
+    fly_entropy_threshold: float = 0.0  # FLy's entropy gate (nats); 0: the server's
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
     gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
-    # llama.cpp flash attention: on by default, as llama.cpp's own default ('auto': on wherever the backend has it;
-    # llama-cpp-python turns it off unless asked). On the 2-core x86 test host it drafts 8-15% faster and the
-    # drafter agrees with the target's greedy tokens 97.7% of the time instead of 98.1% (the benchmark's 8
-    # prompts); side by side at 4 devices SLED committed 9% more with it (commit 97d9574's message), which is worth
-    # the agreement.
+    # llama.cpp flash attention, on as in llama.cpp itself (llama-cpp-python turns it off unless asked): faster
+    # drafting for slightly less agreement with the target (docs/device.md, "Drafters").
     flash_attn: bool = True
     context_size: int = 4096  # drafter context
     auth_token: str | None = None  # the verify server's bearer token (or SLED_AUTH_TOKEN in the environment)
@@ -59,10 +63,9 @@ class EdgeConfig:
     default_max_tokens: int = 256
 
     def __post_init__(self) -> None:
-        from .drafters import REGISTRY
+        from .drafters import check_drafter_name, stack_layers
 
-        if self.drafter not in REGISTRY:
-            raise ValueError(f"drafter must be one of {', '.join(sorted(REGISTRY))}, got {self.drafter!r}")
+        check_drafter_name(self.drafter)
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
         check_server(self.server)
@@ -70,6 +73,7 @@ class EdgeConfig:
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         check_token(self.auth_token, self.auth_token_file)
+        self.draft_policy()  # checks the drafting and verification settings
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.max_draft_tokens < 1:
@@ -82,7 +86,7 @@ class EdgeConfig:
             raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
-        if self.drafter == "onnx" and not self.onnx_model:
+        if "onnx" in (self.drafter, (stack_layers(self.drafter) or ("", ""))[1]) and not self.onnx_model:
             raise ValueError("the onnx drafter needs onnx_model (a file made by scripts/export_onnx_draft.py)")
         if self.tls is False:
             for name in ("tls_ca", "tls_cert"):
@@ -97,6 +101,20 @@ class EdgeConfig:
             raise ValueError("tls_cert and tls_key go together: give both (a client certificate) or neither")
         if self.tls_cert is not None:
             read_client_pair(self.tls_cert, self.tls_key)
+
+    def draft_policy(self) -> DraftPolicy:
+        return DraftPolicy(draft_tokens=self.draft_tokens, adaptive=self.adaptive_draft,
+                           max_draft_tokens=self.max_draft_tokens, draft_ahead=self.draft_ahead,
+                           confidence_stop=self.confidence_stop, verification=self.verification,
+                           fly_window=self.fly_window, fly_entropy_threshold=self.fly_entropy_threshold)
+
+    def resilience(self) -> Resilience:
+        return Resilience(fallback=self.fallback, wait_deadline_s=self.wait_deadline_s,
+                          round_timeout_s=self.round_timeout_s)
+
+    def drafter_options(self) -> DrafterOptions:
+        return DrafterOptions(model_path=self.draft_model, onnx_model=self.onnx_model, threads=self.threads,
+                              gpu_layers=self.gpu_layers, flash_attn=self.flash_attn, context_size=self.context_size)
 
     def token(self) -> str | None:
         """The bearer token to send: auth_token, or the first line of auth_token_file."""

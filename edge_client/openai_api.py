@@ -63,8 +63,9 @@ def _usage(c: Completion) -> dict:
 
 def _sled(c: Completion) -> dict:
     s = c.result.stats()
-    keys = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-            "tokens_per_second", "reconnects", "unverified_tokens", "unverified_token_indices", "drafter")
+    keys = ("rounds", "draft_tokens", "accepted_tokens", "loosely_accepted_tokens", "acceptance_rate",
+            "mean_acceptance_length", "tokens_per_second", "reconnects", "unverified_tokens",
+            "unverified_token_indices", "drafter")
     return {k: s[k] for k in keys}
 
 

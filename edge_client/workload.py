@@ -9,8 +9,8 @@ from pathlib import Path
 
 from .adaptive import AdaptiveDraftLength
 from .config import EdgeConfig
-from .drafters import DrafterOptions, create_drafter
-from .generation import Resilience, generate
+from .drafters import create_drafter
+from .generation import generate
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .transport import VerifierClient
@@ -31,12 +31,9 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
         raise ValueError(f"need requests >= 1, max_tokens >= 1 and offset >= 0, got {requests}, {max_tokens}, {offset}")
     SamplingParams(temperature=temperature)  # checks it before the drafter loads
     tokenizer = Tokenizer(config.tokenizer or config.draft_model)
-    drafter = create_drafter(config.drafter, DrafterOptions(
-        model_path=config.draft_model, onnx_model=config.onnx_model, threads=config.threads,
-        gpu_layers=config.gpu_layers, flash_attn=config.flash_attn, context_size=config.context_size))
+    drafter = create_drafter(config.drafter, config.drafter_options())
     client = VerifierClient(config.server, config.token(), tls=config.channel_tls())
-    resilience = Resilience(fallback=config.fallback, wait_deadline_s=config.wait_deadline_s,
-                            round_timeout_s=config.round_timeout_s)
+    policy, resilience = config.draft_policy(), config.resilience()
     controller = AdaptiveDraftLength.for_device(config.max_draft_tokens, config.draft_ahead,  # kept across requests
                                                 config.confidence_stop)
     runs = []
@@ -47,10 +44,7 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
             ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q}]))
             sampling = SamplingParams(temperature=temperature, seed=offset + i if temperature > 0 else None)
             r = await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens, sampling=sampling,
-                               draft_tokens=config.draft_tokens, client_id=name, resilience=resilience,
-                               adaptive=config.adaptive_draft, max_draft_tokens=config.max_draft_tokens,
-                               draft_ahead=config.draft_ahead, controller=controller,
-                               confidence_stop=config.confidence_stop,
+                               policy=policy, resilience=resilience, controller=controller, client_id=name,
                                on_status=lambda message: log(f"[{name}] {message}"))
             runs.append(r)
             log(f"[{name}] request {i + 1}/{requests}: {len(r.token_ids)} tokens, {r.tokens_per_second:.1f} tok/s, "

@@ -188,19 +188,32 @@ def reference_greedy(target):
     return decode
 
 
-@pytest.fixture(scope="session")
-def onnx_drafts(target, tmp_path_factory):
-    """Drafts exported from the session's target: 2 layers fp32, and 6 layers int8 (a weaker, self-speculative draft)."""
-    from scripts.export_onnx_draft import export
+def user_tool(script: str, *args: str):
+    """Run a user tool of scripts/ by its command line, as a user does."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def onnx_drafts(tmp_path_factory):
+    """Drafts exported from the default target: 2 layers fp32, and 6 layers int8 (a weaker, self-speculative draft)."""
     out = tmp_path_factory.mktemp("onnx")
-    fp32 = export(None, out / "l2.onnx", 2, False, log=lambda *_: None, target=target)
-    int8 = export(None, out / "l6q.onnx", 6, True, log=lambda *_: None, target=target)
-    return {"fp32": fp32, "int8": int8}
+    made = {}
+    for name, args in (("fp32", ["--layers", "2"]), ("int8", ["--layers", "6", "--int8"])):
+        path = out / f"{name}.onnx"
+        done = user_tool("export_onnx_draft.py", "--output", str(path), *args)
+        assert done.returncode == 0, done.stderr
+        made[name] = path
+    return made
 
 
 @pytest.fixture(scope="session")
 def requantized_gguf(tmp_path_factory):
-    from scripts.requantize_gguf import requantize
-
-    return requantize(None, tmp_path_factory.mktemp("gguf") / "smollm2-q2k.gguf", "q2_k")
+    path = tmp_path_factory.mktemp("gguf") / "smollm2-q2k.gguf"
+    done = user_tool("requantize_gguf.py", "--output", str(path), "--type", "q2_k")
+    assert done.returncode == 0, done.stderr
+    return path

@@ -34,6 +34,30 @@ class Proposal:
     # The drafter's confidence in each token (its top-1 probability there), or None where it has none.
     confidence: list[float] | None = None
 
+    def q(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sparse q of token i; a proposal without q chose each token with certainty."""
+        if self.q_ids is None:
+            return np.array([self.token_ids[i]], dtype=np.int64), np.ones(1, dtype=np.float32)
+        return self.q_ids[i], self.q_probs[i]
+
+    def then(self, other: "Proposal") -> "Proposal":
+        """The tokens of this proposal then `other`'s, each with its own q and confidence."""
+        if not self.token_ids or not other.token_ids:
+            return other if not self.token_ids else self
+        tokens = self.token_ids + other.token_ids
+        confidence = (self.confidence + other.confidence
+                      if self.confidence is not None and other.confidence is not None else None)
+        if self.q_ids is None and other.q_ids is None:
+            return Proposal(tokens, confidence=confidence)
+        qs = [self.q(i) for i in range(len(self.token_ids))] + [other.q(i) for i in range(len(other.token_ids))]
+        return Proposal(tokens, [q[0] for q in qs], [q[1] for q in qs], confidence=confidence)
+
+    def cut(self, start: int, end: int | None = None) -> "Proposal":
+        """Tokens [start, end) with their q and confidence."""
+        return Proposal(self.token_ids[start:end], None if self.q_ids is None else self.q_ids[start:end],
+                        None if self.q_probs is None else self.q_probs[start:end],
+                        confidence=None if self.confidence is None else self.confidence[start:end])
+
 
 class Drafter(Protocol):
     name: str

@@ -10,6 +10,17 @@ from ..sampling import SamplingParams, sample, sparse_distribution
 from .base import DrafterOptions, Proposal
 
 
+def keep_or_resample(ids: np.ndarray, probs: np.ndarray, guess: int, rng: np.random.Generator) -> int:
+    """The standard rejection rule for a guess proposed with certainty: kept with probability p(guess), else a draw
+    from p with the guess taken out. Either way the token is distributed as p."""
+    hit = np.flatnonzero(ids == guess)
+    p_guess = float(probs[hit[0]]) if hit.size else 0.0
+    if rng.random() < p_guess:
+        return guess
+    rest = np.where(ids == guess, 0.0, probs).astype(np.float32)
+    return sample(ids, rest / rest.sum(dtype=np.float32), rng)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -31,6 +42,7 @@ class KVDrafter:
         self._logits: np.ndarray | None = None  # next-token logits after the last evaluated token
         self.sampling = SamplingParams()
         self.rng = np.random.default_rng()
+        self.guesses_kept = 0  # of the last propose's guesses, those kept
 
     def _eval(self, tokens: list[int]) -> np.ndarray:  # [vocab] logits after the last token
         raise NotImplementedError
@@ -70,18 +82,32 @@ class KVDrafter:
         self.rollback(keep)
         self._feed(context[keep:])
 
-    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
+    def _eval_rows(self, tokens: list[int]) -> np.ndarray:  # [len(tokens), vocab] logits after each token
+        """A model that computes every position's logits in one forward overrides this; here, one at a time."""
+        return np.stack([self._eval([t]) for t in tokens])
+
+    def propose(self, context: list[int], k: int, stop=None, guesses: Sequence[int] = ()) -> Proposal:
+        """Up to k tokens drawn from this model. `guesses` (a model-free proposer's, taken as certain) are checked
+        in one forward and each kept by the standard rejection rule against this model's distribution there, so
+        the tokens and the q sent are exactly this model's, guessed or not (hierarchical drafting)."""
         k = min(k, self.n_ctx - len(context) - 1)
         if k <= 0:
             return Proposal([])
         self._sync(context)
+        guesses = list(guesses[:k - 1])
+        rows = [self._logits]
+        if guesses:
+            rows.extend(self._eval_rows(guesses))  # the distributions after each guess, one forward
+            self._evaluated.extend(guesses)
+            self._logits = rows[-1]
+        self.guesses_kept = 0
         s = self.sampling
         tokens: list[int] = []
         confidence: list[float] = []
         q_ids: list[np.ndarray] = []
         q_probs: list[np.ndarray] = []
         for i in range(k):
-            logits = self._logits
+            logits = rows[i] if i <= len(guesses) else self._logits  # rows past a dropped guess are stale
             if s.greedy:
                 x = int(np.argmax(logits))
                 # top-1 probability of the drafter's own distribution: 1 / sum(exp(l - l_max))
@@ -92,15 +118,22 @@ class KVDrafter:
                 sure = float(probs.max())  # the top-1 probability of q, what the token is sampled from
             if stop is not None and not stop.take(sure):
                 break
+            guessed = i < len(guesses)
             if not s.greedy:
-                x = sample(ids, probs, self._draw_rng(len(context) + i))
+                rng = self._draw_rng(len(context) + i)
+                x = keep_or_resample(ids, probs, guesses[i], rng) if guessed else sample(ids, probs, rng)
                 q_ids.append(ids)
                 q_probs.append(probs)
             tokens.append(x)
             confidence.append(sure)
+            if guessed and x == guesses[i]:
+                self.guesses_kept += 1  # its row, the next position's logits, is already in `rows`
+            elif guessed:
+                guesses = guesses[:i]  # the rest were guessed after a token not drawn: drop their cache entries
+                self.rollback(len(context) + i)
             if x == self.eos or (stop is not None and not stop.more()):
                 break
-            if i < k - 1:
+            if i < k - 1 and i >= len(guesses):
                 self._feed([x])
         if s.greedy:
             return Proposal(tokens, confidence=confidence)

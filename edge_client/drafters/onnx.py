@@ -40,11 +40,14 @@ class OnnxDrafter(KVDrafter):
         super().__init__(options, int(m["eos_token_id"]), min(options.context_size, int(m["max_positions"])))
 
     def _eval(self, tokens: list[int]) -> np.ndarray:
+        return self._eval_rows(tokens)[-1]
+
+    def _eval_rows(self, tokens: list[int]) -> np.ndarray:
         logits, self._keys, self._values = self.session.run(
             ["logits", "present_keys", "present_values"],
             {"input_ids": np.asarray([tokens], dtype=np.int64), "past_keys": self._keys, "past_values": self._values},
         )
-        return logits[0, -1]
+        return logits[0]
 
     def _truncate(self, length: int) -> None:
         self._keys = self._keys[:, :, :, :length]

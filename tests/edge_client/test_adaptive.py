@@ -1,6 +1,7 @@
 import pytest
 
 from edge_client.adaptive import AdaptiveDraftLength, RoundSample
+from edge_client.policy import DraftPolicy
 
 
 def feed(ctrl, rounds, drafted, accepted, draft_s, rtt_s, server_token_s, sessions=1):
@@ -131,7 +132,7 @@ def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_r
     async def request(controller):
         sent.append([])
         await generate(Recording(0, 0.001, max_tokens=12, target=P_GREEDY), TableDrafter(cycle(2, 3, 1, 0)),
-                       TOKENIZER, PROMPT, max_tokens=12, draft_ahead=False, controller=controller)
+                       TOKENIZER, PROMPT, max_tokens=12, controller=controller, policy=DraftPolicy(draft_ahead=False))
 
     async def main():
         kept = AdaptiveDraftLength(k_max=8, k_initial=8)
@@ -171,7 +172,8 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
             super().observe(sample)
 
     asyncio.run(generate(FakeClient(0, 0.005, max_tokens=8, target=P_GREEDY), Slow(cycle(2, 3, 1, 0)), TOKENIZER,
-                         PROMPT, max_tokens=8, draft_ahead=True, controller=Watching(k_max=2, k_initial=2, ahead=True)))
+                         PROMPT, max_tokens=8, controller=Watching(k_max=2, k_initial=2, ahead=True),
+                         policy=DraftPolicy(draft_ahead=True)))
     assert seen and all(s.rtt_s < 0.1 for s in seen), [round(s.rtt_s, 3) for s in seen]
 
 
@@ -199,8 +201,7 @@ def test_a_round_trip_that_queues_through_other_steps_counts_their_growth_too():
     every device's K lengthens both, so one more token of K costs the round trip twice what it costs one step.
     Priced at one step (the earlier form, which is what a controller that is not told the queue wait does), 16
     sessions at 20 ms + 4.3 ms a token with acceptance about 0.9 keep K at 8 here, where the whole system commits
-    the most at K 2 (in scripts/sim_rounds.py at 32 devices: K near 6, 0.91-0.94x of the best fixed K; 1.01x with
-    the queue counted; tests/test_sim_rounds.py)."""
+    the most at K 2 (`sled-bench sim-rounds` compares the controller with the best fixed K)."""
     def k_after(queue_reported):
         ctrl = AdaptiveDraftLength(k_max=8, k_initial=8, ahead=True)
         for i in range(16):

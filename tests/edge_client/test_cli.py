@@ -13,6 +13,10 @@ from edge_client.cli import main
     (["--draft-tokens", "-1"], "--draft-tokens must be at least 0, got -1"),
     (["--seed", "-1"], "seed must be in [0, 2**63), got -1"),
     (["--wait-deadline", "nan"], "wait_deadline_s must be positive, got nan"),
+    (["--verification", "fly", "--temperature", "0.7"],
+     "--verification fly applies to greedy generation (--temperature 0) only"),
+    (["--verification", "fly", "--fly-window", "-2"],
+     "fly_window must be >= 0 and fly_entropy_threshold in [0, 10) (0: the server's)"),
 ])
 def test_bad_generate_settings_are_one_line_errors(flags, message, capsys):
     # a draft model that does not exist: reaching the model load would say "does not exist" instead

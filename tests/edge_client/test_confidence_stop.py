@@ -16,6 +16,7 @@ import pytest
 
 from edge_client.adaptive import AdaptiveDraftLength, DraftStop, RoundSample
 from edge_client.generation import generate
+from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from tests.edge_client.test_draft_ahead import (MISSENT, PROMPT, TOKENIZER, FakeClient, Q, TableDrafter,
                                                 assert_follows_p, cycle)
@@ -165,8 +166,8 @@ async def _sampled_runs(n: int, threshold: float):
         ctrl = Forced(threshold, k_max=3, k_initial=3, ahead=True)
         controllers.append(ctrl)
         return await generate(FakeClient(20_000 + i, 0.003), TableDrafter(), TOKENIZER, PROMPT, max_tokens=12,
-                              sampling=SamplingParams(temperature=1.0, seed=i), draft_tokens=3, adaptive=True,
-                              max_draft_tokens=3, draft_ahead=True, controller=ctrl)
+                              sampling=SamplingParams(temperature=1.0, seed=i), controller=ctrl,
+                              policy=DraftPolicy(draft_tokens=3, adaptive=True, max_draft_tokens=3, draft_ahead=True))
 
     results = []
     for start in range(0, n, 200):
@@ -207,8 +208,8 @@ def test_greedy_drafts_end_at_the_rule_and_the_text_is_the_targets(ahead):
 
     drafter = TableDrafter(cycle(1, 2, 3, 1))
     result = asyncio.run(generate(Recording(0, 0.004, max_tokens=30, target=cycle(1, 2, 3, 1)), drafter, TOKENIZER,
-                                  PROMPT, max_tokens=30, draft_tokens=6, adaptive=True, max_draft_tokens=6,
-                                  draft_ahead=ahead, controller=Forced(0.4, k_max=6, k_initial=6, ahead=ahead)))
+                                  PROMPT, max_tokens=30, controller=Forced(0.4, k_max=6, k_initial=6, ahead=ahead),
+                                  policy=DraftPolicy(draft_tokens=6, adaptive=True, max_draft_tokens=6, draft_ahead=ahead)))
     want, last = [], PROMPT[-1]
     for _ in range(30):
         last = int(np.argmax(cycle(1, 2, 3, 1)[last]))
@@ -220,7 +221,7 @@ def test_greedy_drafts_end_at_the_rule_and_the_text_is_the_targets(ahead):
 
 
 def test_the_replayed_drafter_stops_where_the_recorded_one_would():
-    from scripts.bench_system import ReplayDrafter
+    from bench.replay import ReplayDrafter
 
     full = [5, 6, 7, 8, 9, 10]
     replay = ReplayDrafter({2: [7, 8, 9, 10]}, 0.0, full, {2: [0.9, 0.9, 0.2, 0.9]})
@@ -277,9 +278,9 @@ def test_a_draft_of_average_tokens_reaches_the_chosen_k(draft_s, sessions, ahead
     """A CPU server (20 ms a step + 2.9 ms a verified token) with 1-8 sessions a step, drafting at 10-15 ms a
     token, every token 90% sure and the target rejecting about one in twelve. Whatever K the controller chooses,
     the rule must not end a draft of such average tokens before it. It did, in all four: drafting ahead, one more
-    token was priced at what it adds to a round on average, there more than a committed token's worth (drafts of
-    1.6 tokens in the system benchmark at 4 devices, 0.73x the best fixed K); and the rule compared the learned
-    chances of its confidence bins with the recent rounds' acceptance, which can differ by more than a token."""
+    token was priced at what it adds to a round on average, there more than a committed token's worth; and the
+    rule compared the learned chances of its confidence bins with the recent rounds' acceptance, which can differ
+    by more than a token."""
     ctrl = AdaptiveDraftLength(k_max=8, k_initial=8, ahead=ahead, confidence_stop=True)
     position = 0
     for _ in range(40):

@@ -48,7 +48,8 @@ def test_flash_attention_is_on_unless_turned_off(tmp_path):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("drafter: gpt\n", "drafter must be one of"),
+    ("drafter: gpt\n", "unknown drafter 'gpt'; choose one of"),
+    ("drafter: stack:ngram+gpt\n", "a stacked drafter is stack:PROPOSER+MODEL"),
     ("fallback: pray\n", "fallback must be one of"),
     ("server: nowhere\n", "HOST:PORT"),
     ("draft_tokens: -1\n", ">= 0"),
@@ -72,7 +73,7 @@ def test_defaults_are_valid():
 
 @pytest.mark.parametrize("setting", ["wait_deadline_s", "round_timeout_s"])
 def test_a_nan_deadline_is_refused(setting):
-    from edge_client.generation import Resilience
+    from edge_client.resilience import Resilience
 
     with pytest.raises(ValueError, match=setting):
         EdgeConfig(**{setting: float("nan")})

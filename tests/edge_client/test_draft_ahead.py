@@ -23,6 +23,7 @@ from edge_client import codec
 from edge_client.drafters.base import DrafterOptions, Proposal
 from edge_client.drafters.kv_drafter import KVDrafter
 from edge_client.generation import generate
+from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 
 V, EOS = 4, 99  # EOS outside the vocabulary: generations end by length
@@ -166,7 +167,8 @@ async def _runs(n, draft_ahead, seeded, delay=0.003, drafters=None):
             drafters.append(drafter)
         sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
         return await generate(FakeClient(10_000 + i, delay), drafter, TOKENIZER, PROMPT, max_tokens=N_TOKENS,
-                               sampling=sampling, draft_tokens=2, adaptive=False, draft_ahead=draft_ahead)
+                              sampling=sampling,
+                              policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=draft_ahead))
 
     results = []
     for start in range(0, n, 200):
@@ -199,8 +201,8 @@ def assert_follows_p(results):
 def test_greedy_hits_continue_and_misses_are_dropped():
     async def main():
         drafter = TableDrafter(Q_GREEDY)
-        result = await generate(FakeClient(0, 0.003, max_tokens=30, target=P_GREEDY), drafter, TOKENIZER, PROMPT, max_tokens=30,
-                                draft_tokens=2, adaptive=False)
+        result = await generate(FakeClient(0, 0.003, max_tokens=30, target=P_GREEDY), drafter, TOKENIZER, PROMPT,
+                                max_tokens=30, policy=DraftPolicy(draft_tokens=2, adaptive=False))
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -247,7 +249,7 @@ def test_tokens_drafted_ahead_are_not_evaluated_again_when_they_go_out(target, k
     async def main():
         drafter = TableDrafter(cycle(1, 2, 3, 1))
         result = await generate(FakeClient(0, 0.004, max_tokens=40, target=target), drafter, TOKENIZER, PROMPT,
-                                max_tokens=40, draft_tokens=k, adaptive=False)
+                                max_tokens=40, policy=DraftPolicy(draft_tokens=k, adaptive=False))
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -273,7 +275,7 @@ def test_no_token_is_drafted_past_the_request_end(adaptive):
     async def main():
         drafter = TableDrafter(table)
         result = await generate(FakeClient(0, 0.01, max_tokens=10, target=table), drafter, TOKENIZER, PROMPT,
-                                max_tokens=10, draft_tokens=8, adaptive=adaptive)
+                                max_tokens=10, policy=DraftPolicy(draft_tokens=8, adaptive=adaptive))
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -309,7 +311,7 @@ def test_the_first_draft_is_made_while_the_session_opens():
     async def main():
         drafter = Drafter(table)
         result = await generate(SlowOpen(0, 0.001, max_tokens=20, target=table), drafter, TOKENIZER, PROMPT,
-                                max_tokens=20, draft_tokens=4, adaptive=False, draft_ahead=False)
+                                max_tokens=20, policy=DraftPolicy(draft_tokens=4, adaptive=False, draft_ahead=False))
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -340,7 +342,8 @@ def test_a_carry_longer_than_the_next_draft_is_not_drafted_again():
     async def main():
         drafter = TableDrafter(table)
         result = await generate(FakeClient(0, 0.004, max_tokens=40, target=table), drafter, TOKENIZER, PROMPT,
-                                max_tokens=40, draft_tokens=2, adaptive=True, max_draft_tokens=8, controller=held_at_two())
+                                max_tokens=40, controller=held_at_two(),
+                                policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -363,8 +366,8 @@ def test_a_carried_spare_keeps_each_tokens_q():
         for i in range(40):
             results.append(await generate(FakeClient(500 + i, 0.004, max_tokens=24), TableDrafter(), TOKENIZER,
                                           PROMPT, max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=i),
-                                          draft_tokens=2, adaptive=True, max_draft_tokens=8,
-                                          controller=held_at_two()))
+                                          controller=held_at_two(),
+                                          policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8)))
         return results, list(MISSENT)
 
     results, missent = asyncio.run(main())
@@ -386,8 +389,8 @@ def test_each_round_times_the_reply_to_the_verdict_before_it():
 
     async def main(ahead):
         return await generate(FakeClient(0, 0.003, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY),
-                              TOKENIZER, PROMPT,
-                              max_tokens=16, draft_tokens=2, adaptive=False, draft_ahead=ahead)
+                              TOKENIZER, PROMPT, max_tokens=16,
+                              policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=ahead))
 
     for ahead in (True, False):
         result = asyncio.run(main(ahead))
@@ -425,8 +428,8 @@ def _slow_cycle_run(queue_ms=0.0, **options):
 
     async def main():
         drafter = SlowTable(cycle(1, 2, 3, 1), 0.01)
-        result = await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=40, draft_tokens=2, adaptive=True,
-                                max_draft_tokens=8, controller=held_at_two(), **options)
+        result = await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=40, controller=held_at_two(),
+                                policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, **options))
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -461,8 +464,7 @@ def test_a_device_whose_drafts_queue_at_the_server_finishes_its_draft_instead_of
     """The same run with every verdict reporting that its draft waited 6 ms through an earlier step (a server whose
     steps follow each other): a shorter draft sent at once would only wait longer, so once the controller has seen
     that of its most recent drafts sent at once (QUEUED_MIN) the device answers as with answer_at_once=False,
-    finishing its token and drafting the rest of K; on the emulated GPU step profile that was 1.03x answering at once
-    (docs/benchmarks.md, '32 devices, a GPU's step profile emulated on this CPU')."""
+    finishing its token and drafting the rest of K."""
     from edge_client.adaptive import AdaptiveDraftLength
 
     drafter, result, drafts = _slow_cycle_run(queue_ms=6.0, empty_after_miss=None)
@@ -512,8 +514,8 @@ def test_a_device_answers_at_once_again_once_drafts_sent_at_once_stop_queueing()
 
     async def main():
         return await generate(client, SlowTable(cycle(1, 2, 3, 1), 0.01), TOKENIZER, PROMPT, max_tokens=120,
-                              draft_tokens=2, adaptive=True, max_draft_tokens=8, controller=held_at_two(),
-                              empty_after_miss=None)
+                              controller=held_at_two(),
+                              policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, empty_after_miss=None))
 
     result = asyncio.run(main())
     assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 120)
@@ -524,12 +526,13 @@ def test_a_device_answers_at_once_again_once_drafts_sent_at_once_stop_queueing()
 
 
 def test_answer_at_once_off_finishes_the_token_first():
-    """answer_at_once=False, the device before this change (scripts/bench_system.py compares the two): the same run
+    """answer_at_once=False, the device before this change (kept as a policy setting): the same run
     answers no verdict at once; a verdict that comes mid-token waits for that token, and the drafts are K long."""
     async def main():
         return await generate(FakeClient(0, 0.025, max_tokens=40, target=cycle(1, 2, 3, 0)),
-                              SlowTable(cycle(1, 2, 3, 1), 0.01), TOKENIZER, PROMPT, max_tokens=40, draft_tokens=2,
-                              adaptive=True, max_draft_tokens=8, controller=held_at_two(), answer_at_once=False)
+                              SlowTable(cycle(1, 2, 3, 1), 0.01), TOKENIZER, PROMPT, max_tokens=40,
+                              controller=held_at_two(),
+                              policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, answer_at_once=False))
 
     result = asyncio.run(main())
     assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 40)
@@ -570,8 +573,8 @@ def test_drafts_answered_at_once_keep_the_target_distribution(seeded):
         async def one(i):
             sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
             return await generate(FakeClient(20_000 + i, 0.004), SlowTable(Q, 0.0015), TOKENIZER, PROMPT,
-                                  max_tokens=N_TOKENS, sampling=sampling,
-                                  draft_tokens=2, adaptive=True, max_draft_tokens=8, controller=held_at_two())
+                                  max_tokens=N_TOKENS, sampling=sampling, controller=held_at_two(),
+                                  policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
 
         results = []
         for start in range(0, 2000, 50):  # fewer at once than worker threads: each drafts ahead on one

@@ -5,7 +5,7 @@ import json
 
 from google.protobuf import descriptor_pb2
 
-from edge_client.cli import _plain
+from edge_client.info import _plain
 from sled.v1 import verify_pb2
 
 

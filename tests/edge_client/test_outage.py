@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
-from edge_client.generation import Resilience, generate
+from edge_client.generation import generate
+from edge_client.resilience import Resilience
+from edge_client.policy import DraftPolicy
 from edge_client.transport import VerifierClient, VerifyError
 from bench.processes import free_port
 
@@ -28,8 +30,8 @@ def _run(resilience: Resilience, max_tokens: int = 8):
         client = VerifierClient(f"127.0.0.1:{free_port()}")
         try:
             return await generate(client, create_drafter("ngram", DrafterOptions()), TOKENIZER, PROMPT,
-                                  max_tokens=max_tokens, draft_tokens=3, adaptive=False, resilience=resilience,
-                                  on_status=statuses.append)
+                                  max_tokens=max_tokens, resilience=resilience, on_status=statuses.append,
+                                  policy=DraftPolicy(draft_tokens=3, adaptive=False))
         finally:
             await client.close()
 

@@ -1,6 +1,6 @@
 import grpc
 
-from edge_client.generation import TRANSIENT
+from edge_client.resilience import TRANSIENT
 from edge_client.transport import CORE_WRITE_FAILED, VerifyError
 
 

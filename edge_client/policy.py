@@ -1,0 +1,116 @@
+"""How a device drafts: one frozen policy, and the draft-length controller it builds (fixed or adaptive), which the
+round loop asks the same questions whatever its kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .adaptive import AdaptiveDraftLength, DraftStop, RoundSample
+
+# The acceptance from which a miss answered at once gets an empty draft (docs/device.md, "Drafting ahead").
+EMPTY_AFTER_MISS = 0.8
+
+
+class DraftLength(Protocol):
+    """What the round loop asks of a draft-length controller."""
+
+    k: int  # this round's draft length
+    k_max: int  # the longest draft; drafting ahead stops one past it
+    # whether a hit is answered with what was drafted ahead (K at most) rather than a draft of K finished first
+    answers_hits_at_once: bool
+
+    def cap(self, server_max: int) -> None:
+        """No draft longer than the server takes."""
+
+    def at_least(self, k: int) -> None:
+        """No draft shorter than k where that is possible (FLy defers a mismatch only with its next W - 1 tokens drafted)."""
+
+    def observe(self, sample: RoundSample) -> None:
+        """A round's verdict, what was drafted and how long it all took."""
+
+    def stop_rule(self) -> DraftStop | None:
+        """This round's confidence stop, or None (every draft K long)."""
+
+    def empty_after_miss(self, threshold: float) -> bool:
+        """Whether a miss answered at once gets an empty draft (the server's token alone)."""
+
+    def server_queues(self) -> bool:
+        """Whether the server queues this device's drafts (then finishing a draft first costs no time)."""
+
+
+class FixedDraftLength:
+    """K tokens every round: learns nothing, stops no draft early, finishes each draft to K."""
+
+    answers_hits_at_once = False
+
+    def __init__(self, k: int):
+        self.k = self.k_max = k
+
+    def cap(self, server_max: int) -> None:
+        self.k = self.k_max = min(self.k, server_max)
+
+    def at_least(self, k: int) -> None:
+        pass  # a fixed K is the user's choice
+
+    def observe(self, sample: RoundSample) -> None:
+        pass
+
+    def stop_rule(self) -> DraftStop | None:
+        return None
+
+    def empty_after_miss(self, threshold: float) -> bool:
+        return False
+
+    def server_queues(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """How a device drafts. With `adaptive`, K is chosen each round in 1..max_draft_tokens and draft_tokens only says
+    whether to draft at all (0: the server decodes every token); without it, K is draft_tokens."""
+
+    draft_tokens: int = 4
+    adaptive: bool = True
+    max_draft_tokens: int = 8
+    draft_ahead: bool = True  # draft on while a draft is verified (edge_client.draft_ahead)
+    confidence_stop: bool = False  # the adaptive K ends a draft at a token the drafter is too unsure of
+    answer_at_once: bool = True  # answer a verdict without waiting for the token being drafted ahead
+    empty_after_miss: float | None = EMPTY_AFTER_MISS  # None: a miss always gets K drafted afresh
+    # How the server verifies: exact (lossless), fly (loosely, greedy only; the text is then not exactly the
+    # target's), or None for the server's default; FLy's window and entropy threshold, 0 for the server's.
+    verification: str | None = None
+    fly_window: int = 0
+    fly_entropy_threshold: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be >= 0, got {self.draft_tokens}")
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be at least 1, got {self.max_draft_tokens}")
+        if self.empty_after_miss is not None and not 0 <= self.empty_after_miss <= 1:
+            raise ValueError(f"empty_after_miss must be in [0, 1], got {self.empty_after_miss}")
+        if self.verification not in (None, "exact", "fly"):
+            raise ValueError(f"verification must be exact or fly, got {self.verification!r}")
+        if self.fly_window < 0 or not 0 <= self.fly_entropy_threshold < 10:
+            raise ValueError("fly_window must be >= 0 and fly_entropy_threshold in [0, 10) (0: the server's)")
+
+    @property
+    def drafts(self) -> bool:
+        """Whether anything is drafted; without drafts the server decodes and streams every token."""
+        return self.draft_tokens > 0
+
+    @property
+    def ahead(self) -> bool:
+        return self.draft_ahead and self.drafts
+
+    def controller(self, kept: AdaptiveDraftLength | None = None) -> DraftLength:
+        """This policy's controller; an adaptive one continues `kept` (a device keeps one across its requests)."""
+        if not self.adaptive or not self.drafts:
+            return FixedDraftLength(self.draft_tokens)
+        if kept is None:
+            return AdaptiveDraftLength.for_device(self.max_draft_tokens, self.draft_ahead, self.confidence_stop)
+        kept.configure(self.max_draft_tokens, self.draft_ahead)
+        kept.confidence_stop = self.confidence_stop
+        return kept

@@ -1,0 +1,158 @@
+"""Hierarchical drafting: a proposer's guesses checked by a model drafter keep the drafts exactly the model's."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from edge_client.cli import main
+from edge_client.drafters import DrafterOptions, check_drafter_name, stack_layers
+from edge_client.drafters.base import Proposal
+from edge_client.drafters.kv_drafter import KVDrafter
+from edge_client.drafters.stacked import GuessGate, StackedDrafter
+from edge_client.sampling import SamplingParams
+
+V = 5
+EOS = 99  # never drawn
+
+
+class PairModel(KVDrafter):
+    """A model drafter whose logits depend on the last two tokens (a guess changes what follows it); it counts
+    its forwards and the tokens they evaluated."""
+
+    name = "pair"
+
+    def __init__(self):
+        super().__init__(DrafterOptions(top_k_cap=V), EOS, 4096)
+        rng = np.random.default_rng(7)
+        self.table = rng.normal(0, 1.5, size=(V, V, V)).astype(np.float32)
+        self.forwards = self.tokens = 0
+
+    def logits_after(self, context):
+        return self.table[context[-2] if len(context) > 1 else 0, context[-1]]
+
+    def _eval_rows(self, tokens):
+        self.forwards += 1
+        self.tokens += len(tokens)
+        seen = self._evaluated + list(tokens)
+        return np.stack([self.logits_after(seen[:len(self._evaluated) + i + 1]) for i in range(len(tokens))])
+
+    def _eval(self, tokens):
+        return self._eval_rows(tokens)[-1]
+
+    def _truncate(self, length):
+        pass
+
+
+class Guesser:
+    """A proposer that always guesses the same tokens."""
+
+    name = "guess"
+
+    def __init__(self, guesses):
+        self.guesses = guesses
+
+    def begin(self, context, sampling):
+        pass
+
+    def propose(self, context, k, stop=None):
+        return Proposal(self.guesses[:k])
+
+    def accept(self, context, ahead=()):
+        pass
+
+    def close(self):
+        pass
+
+
+def softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_greedy_stacked_drafts_are_the_model_s_whatever_is_guessed():
+    model = PairModel()
+    context = [1, 2]
+    plain = PairModel()
+    plain.begin(context, SamplingParams())
+    want = plain.propose(context, 6).token_ids
+    for guesses in ([], want[:5], want[:2] + [(want[2] + 1) % V] * 3, [(want[0] + 1) % V] * 5):
+        stacked = StackedDrafter(Guesser(guesses), PairModel())
+        stacked.begin(context, SamplingParams())
+        assert stacked.propose(context, 6).token_ids == want, guesses
+        right = next((i for i, (g, w) in enumerate(zip(guesses, want)) if g != w), len(guesses))
+        assert stacked.model.guesses_kept == right
+        # the cache dropped what followed a wrong guess: the next draft, from the committed context, is the model's
+        committed = context + want[:3]
+        stacked.accept(committed)
+        plain_next = PairModel()
+        plain_next.begin(committed, SamplingParams())
+        assert stacked.propose(committed, 4).token_ids == plain_next.propose(committed, 4).token_ids
+    # guesses all right: one forward checks five guesses, then one more token is fed
+    model = StackedDrafter(Guesser(want[:5]), PairModel())
+    model.begin(context, SamplingParams())
+    before = model.model.forwards
+    model.propose(context, 6)
+    assert model.model.forwards - before == 2 and model.kept == 5
+
+
+def test_sampled_stacked_tokens_follow_the_model_s_distribution_and_carry_its_q():
+    """The first two tokens of 6000 seeded drafts, with guesses that are often wrong, against the model's own
+    distribution of pairs (chi-square); and each token's q is the model's distribution at its context."""
+    guesses = [3, 0, 4]
+    counts = np.zeros((V, V))
+    model = PairModel()
+    for seed in range(6000):
+        stacked = StackedDrafter(Guesser(guesses), model, gate=GuessGate(min_kept=0.0))
+        stacked.begin([1, 2], SamplingParams(temperature=1.0, seed=seed))
+        p = stacked.propose([1, 2], 3)
+        counts[p.token_ids[0], p.token_ids[1]] += 1
+        if seed < 50:
+            seen = [1, 2] + p.token_ids
+            for i in range(3):
+                assert np.allclose(p.q_probs[i][np.argsort(p.q_ids[i])], softmax(model.table[seen[i], seen[i + 1]]),
+                                   atol=1e-6)
+    first = softmax(model.table[1, 2])
+    expected = np.array([[first[a] * softmax(model.table[2, a])[b] for b in range(V)] for a in range(V)], dtype=np.float64)
+    expected *= 6000 / expected.sum()
+    assert stats.chisquare(counts.ravel(), expected.ravel()).pvalue > 1e-3
+    # the guesses were really exercised: the first is kept as often as the model draws it
+    assert abs(counts[3].sum() / 6000 - first[3]) < 0.03 and first[3] > 0.05
+
+
+def test_the_gate_rests_a_proposer_whose_guesses_are_not_kept_and_tries_it_again():
+    gate = GuessGate(min_kept=1.0, window=4, rest=3)
+    for kept in (0, 1, 0):
+        assert gate.allows()
+        gate.record(kept)
+    assert gate.allows()
+    gate.record(0)  # 1 kept in 4 checks, under 1 a check
+    assert [gate.allows() for _ in range(4)] == [False, False, False, True]
+    for _ in range(4):
+        gate.record(2)
+    assert gate.allows()
+
+    model = PairModel()
+    stacked = StackedDrafter(Guesser([(t + 1) % V for t in range(4)]), model, gate=GuessGate(window=4, rest=100))
+    stacked.begin([1, 2], SamplingParams())
+    for _ in range(10):
+        stacked.propose([1, 2], 5)
+    assert stacked.checks <= 5  # at most 4 checks before it rests (5 if the first guess happened to be right)
+
+
+def test_stack_names():
+    assert stack_layers("stacked") == ("ngram", "llama-cpp")
+    assert stack_layers("stack:cacheback+onnx") == ("cacheback", "onnx")
+    assert stack_layers("llama-cpp") is None
+    for bad in ("stack:llama-cpp+ngram", "stack:ngram", "stack:ngram+none"):
+        with pytest.raises(ValueError, match="stack:PROPOSER\\+MODEL"):
+            check_drafter_name(bad)
+    with pytest.raises(ValueError, match="unknown drafter 'gpt'"):
+        check_drafter_name("gpt")
+
+
+def test_a_bad_stack_on_the_command_line_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--drafter", "stack:ngram+gpt"])
+    assert exit_.value.code == 2
+    assert "a stacked drafter is stack:PROPOSER+MODEL" in capsys.readouterr().err
