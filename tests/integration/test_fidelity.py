@@ -6,6 +6,7 @@ import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
+from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient
 from tests.conftest import PROMPTS, run
@@ -19,8 +20,8 @@ async def _generate_all(address, tokenizer, jobs, max_tokens, draft_tokens=4, sa
     drafters = [create_drafter(name, DrafterOptions(context_size=512, threads=1)) for _, name in jobs]
     try:
         return await asyncio.gather(*[
-            generate(client, d, tokenizer, ids, max_tokens=max_tokens, sampling=sampling, draft_tokens=draft_tokens,
-                     adaptive=adaptive)
+            generate(client, d, tokenizer, ids, max_tokens=max_tokens, sampling=sampling,
+                     policy=DraftPolicy(draft_tokens=draft_tokens, adaptive=adaptive))
             for (ids, _), d in zip(jobs, drafters)
         ])
     finally:
@@ -46,8 +47,8 @@ def test_greedy_equals_target_only_decoding_on_20_prompts(make_server, tokenizer
 
 def test_concurrent_sessions_each_correct_while_batched(make_server, tokenizer, reference_greedy):
     server = make_server(max_wait_ms=20.0)
-    drafters = ["llama-cpp", "ngram", "none", "llama-cpp", "ngram", "llama-cpp", "none", "llama-cpp", "llama-cpp",
-                "ngram"]
+    drafters = ["llama-cpp", "ngram", "none", "stacked", "ngram", "llama-cpp", "none", "stack:cacheback+llama-cpp",
+                "llama-cpp", "ngram"]
     prompts = [tokenizer.encode(p) for p in PROMPTS[10:20]]
     results = run(_generate_all(server.address, tokenizer, list(zip(prompts, drafters)), 48))
     for ids, name, result in zip(prompts, drafters, results):

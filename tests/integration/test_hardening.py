@@ -37,10 +37,10 @@ def gate_opens(server):
     entered, release = threading.Event(), threading.Event()
     real = engine._open
 
-    def held(request):
+    def held(request, on_verdict=None):
         entered.set()
         assert release.wait(30)
-        return real(request)
+        return real(request, on_verdict)
 
     engine._open = held
     return entered, release

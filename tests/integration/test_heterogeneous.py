@@ -7,6 +7,7 @@ import pytest
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
 from edge_client.models import default_model_path
+from edge_client.policy import DraftPolicy
 from edge_client.tokenizer import Tokenizer
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
@@ -33,7 +34,8 @@ def test_mixed_drafters_on_one_server_each_get_the_target_text(make_server, toke
         drafters = {name: create_drafter(kind, opts) for name, (kind, opts) in devices.items()}
         try:
             results = await asyncio.gather(*[
-                generate(client, drafters[name], tokenizer, prompts[name], max_tokens=40, draft_tokens=4)
+                generate(client, drafters[name], tokenizer, prompts[name], max_tokens=40,
+                         policy=DraftPolicy(draft_tokens=4))
                 for name in devices])
         finally:
             await client.close()

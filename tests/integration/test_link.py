@@ -1,5 +1,5 @@
 """Devices over emulated links: a client of each device's own reaches the server over its own TCP connection, so
-`bench_system.py --link` gives every device its own link (gRPC shares one connection between channels of a process to
+`sled-bench system --link` gives every device its own link (gRPC shares one connection between channels of a process to
 the same address unless told not to)."""
 
 import asyncio
@@ -7,10 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.linkemu import LinkEmulator, LinkSpec
 from tests.conftest import all_freed, run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from linkemu import LinkEmulator, LinkSpec  # noqa: E402
 
 
 def test_own_connection_clients_each_get_a_link_and_pay_its_delay(make_server):

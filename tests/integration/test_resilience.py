@@ -10,7 +10,9 @@ import time
 import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
-from edge_client.generation import Resilience, _Generation, generate
+from edge_client.generation import _Generation, generate
+from edge_client.resilience import Resilience
+from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
@@ -135,8 +137,9 @@ def test_wait_policy_waits_for_a_server_not_yet_up_and_says_so(make_server, toke
     async def go():
         client = VerifierClient(f"127.0.0.1:{port}")
         try:
-            return await generate(client, drafter, tokenizer, prompt, max_tokens=20, draft_tokens=3,
-                                  resilience=Resilience(wait_deadline_s=120), on_status=statuses.append)
+            return await generate(client, drafter, tokenizer, prompt, max_tokens=20,
+                                  resilience=Resilience(wait_deadline_s=120), on_status=statuses.append,
+                                  policy=DraftPolicy(draft_tokens=3))
         finally:
             await client.close()
 

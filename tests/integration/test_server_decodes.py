@@ -1,6 +1,7 @@
 """Open.server_decodes: the server decodes every token of a session itself and streams a Verdict per token, the
 server-only way of serving (no round trip between tokens); the device's `none` drafter asks for it."""
 
+from edge_client.policy import DraftPolicy
 import asyncio
 import dataclasses
 
@@ -137,8 +138,10 @@ def test_generate_without_a_drafter_reads_the_server_s_stream(tiny_server, tiny,
             async with grpc.aio.insecure_channel(tiny_server.address) as channel:
                 want = await drafted_greedy(channel, tiny, ids, 16)
             # the `none` drafter whatever draft_tokens says, and draft_tokens=0 with any drafter
-            a = await generate(client, create_drafter("none"), tokenizer, ids, max_tokens=16, draft_tokens=4)
-            b = await generate(client, create_drafter("ngram"), tokenizer, ids, max_tokens=16, draft_tokens=0)
+            a = await generate(client, create_drafter("none"), tokenizer, ids, max_tokens=16,
+                               policy=DraftPolicy(draft_tokens=4))
+            b = await generate(client, create_drafter("ngram"), tokenizer, ids, max_tokens=16,
+                               policy=DraftPolicy(draft_tokens=0))
             return want, a, b
         finally:
             await client.close()
