@@ -25,7 +25,7 @@ def attention_reference(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
     segments: list[Segment],
     scale: float,
-    masks=None,  # unused: the reference builds its own
+    window: int | None = None,  # sliding-window attention: each query sees its last `window` positions only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Plain math, one segment at a time: softmax(q k^T * scale + causal mask) v, heads grouped."""
     out = torch.empty_like(q)
@@ -37,22 +37,29 @@ def attention_reference(
         scores = qs @ ks.transpose(1, 2) * scale  # [heads, L, ctx]
         query_pos = torch.arange(seg.context_len - seg.length, seg.context_len, device=q.device)
         key_pos = torch.arange(seg.context_len, device=q.device)
-        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        hidden = key_pos[None, :] > query_pos[:, None]
+        if window is not None:
+            hidden |= key_pos[None, :] <= query_pos[:, None] - window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         out[seg.start : seg.start + seg.length] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
     return out
 
 
-def causal_masks(segments: list[Segment], device, groups: int = 1,
-                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor | None]:
+def causal_masks(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32,
+                 window: int | None = None) -> list[torch.Tensor | None]:
     """Per segment of several tokens, an additive mask [groups * length, context_len]: 0 where query i (at
-    context_len - length + i) sees the key, -inf past it, tiled once per query head of a KV group; None for a
-    one-token segment, which sees every key. Built once per forward and shared by every layer."""
+    context_len - length + i) sees the key, -inf past it (and, with a sliding `window`, -inf at `window`
+    positions before it and earlier), tiled once per query head of a KV group; None for a one-token segment that
+    sees every key. Built once per forward and shared by every layer of that window."""
     masks: list[torch.Tensor | None] = []
     for seg in segments:
-        if seg.length == 1:
+        slides = window is not None and seg.context_len > window
+        if seg.length == 1 and not slides:
             masks.append(None)
             continue
         seen = torch.ones(seg.length, seg.context_len, dtype=torch.bool, device=device).tril(seg.context_len - seg.length)
+        if slides:
+            seen &= ~torch.ones_like(seen).tril(seg.context_len - seg.length - window)
         masks.append(torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
                      .repeat(groups, 1))
     return masks
@@ -128,7 +135,8 @@ class BatchPlan:
     rest_masks: list[torch.Tensor | None]
 
 
-def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32) -> BatchPlan:
+def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32,
+               window: int | None = None) -> BatchPlan:
     short = [s for s in segments if s.length <= BATCH_MAX_TOKENS]
     rest = [s for s in segments if s.length > BATCH_MAX_TOKENS]
     lens = torch.tensor([s.length for s in short], dtype=torch.long)
@@ -149,13 +157,15 @@ def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dt
     # padding row sees the same as the segment's last row (its output is dropped; it only must not be NaN).
     qpos = (ctx_d - lens_d)[:, None] + torch.minimum(i_d[None, :], lens_d[:, None] - 1)  # [B, max_len]
     seen = keys[None, None, :] <= qpos[:, :, None]  # [B, max_len, max_ctx]
+    if window is not None:
+        seen &= keys[None, None, :] > qpos[:, :, None] - window
     mask = (torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
             .repeat(1, groups, 1)[:, None])
     key_ok = (keys[None, :] < ctx_d[:, None])[:, None, :, None]
     return BatchPlan(slots=torch.tensor([s.slot for s in short], dtype=torch.long).to(**to), rows=rows.to(**to),
                      seg=seg.to(**to), offset=offset.to(**to), tokens=(starts[seg] + offset).to(**to),
                      key_ok=key_ok, mask=mask, rest=rest,
-                     rest_masks=causal_masks(rest, device, groups, dtype))
+                     rest_masks=causal_masks(rest, device, groups, dtype, window))
 
 
 def attention_batched(
@@ -189,12 +199,13 @@ def attention_batched(
     return out
 
 
-def attention_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32):
-    """What the attention of one forward shares across layers: on CUDA with several segments a BatchPlan, else
-    the per-segment masks of causal_masks."""
+def attention_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32,
+                   window: int | None = None):
+    """What the attention of one forward shares across layers (of one window): on CUDA with several segments a
+    BatchPlan, else the per-segment masks of causal_masks."""
     if torch.device(device).type == "cuda" and len(segments) > 1:
-        return batch_plan(segments, device, groups, dtype)
-    return causal_masks(segments, device, groups, dtype)
+        return batch_plan(segments, device, groups, dtype, window)
+    return causal_masks(segments, device, groups, dtype, window)
 
 
 def attention_auto(q, k_cache, v_cache, segments, scale, plan=None):
@@ -204,13 +215,14 @@ def attention_auto(q, k_cache, v_cache, segments, scale, plan=None):
     return attention_sdpa(q, k_cache, v_cache, segments, scale, plan)
 
 
-def no_plan(segments, device, groups=1, dtype=torch.float32):
-    return None
+def window_only(segments, device, groups=1, dtype=torch.float32, window=None):
+    """The reference builds its masks itself: all it is handed is the window."""
+    return window
 
 
 # name -> (what one forward prepares for every layer, the attention of one layer)
 ATTENTION = {
     "sdpa": (attention_plan, attention_auto),  # the default: batched on CUDA, per segment on CPU
     "segments": (causal_masks, attention_sdpa),  # per segment everywhere (the CUDA path before batching)
-    "reference": (no_plan, attention_reference),
+    "reference": (window_only, attention_reference),
 }

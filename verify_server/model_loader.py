@@ -32,7 +32,8 @@ TARGET_SHAPES: dict[str, dict] = {
 
 
 def random_target_shape(spec: str) -> dict:
-    """The Llama config fields of `random:NAME` (a name in TARGET_SHAPES) or `random:FILE.json` (config fields)."""
+    """The config fields of `random:NAME` (a name in TARGET_SHAPES) or `random:FILE.json` (config fields; a
+    model_type field picks another supported family than Llama)."""
     name = spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec
     if name in TARGET_SHAPES:
         return dict(TARGET_SHAPES[name])
@@ -42,7 +43,7 @@ def random_target_shape(spec: str) -> dict:
             raise ValueError(f"random target config {path} does not exist")
         fields = json.loads(path.read_text())
         if not isinstance(fields, dict):
-            raise ValueError(f"{path}: expected a JSON object of Llama config fields")
+            raise ValueError(f"{path}: expected a JSON object of model config fields")
         return fields
     raise ValueError(f"random target must be random:NAME ({', '.join(TARGET_SHAPES)}) or random:FILE.json, "
                      f"got {spec!r}")
@@ -50,7 +51,7 @@ def random_target_shape(spec: str) -> dict:
 
 @dataclass
 class Target:
-    model: torch.nn.Module  # a transformers causal LM (Llama family)
+    model: torch.nn.Module  # a transformers causal LM of a supported family (model_runner.SUPPORTED_ARCHITECTURES)
     name: str
     vocab_tokens: list[str]
     eos_token_ids: tuple[int, ...]
@@ -123,6 +124,11 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
                              "(config.json, weights, tokenizer) or a GGUF file")
         kwargs = {}
         folder = str(path)
+    from transformers import AutoConfig
+
+    from .model_runner import check_architecture
+
+    check_architecture(AutoConfig.from_pretrained(folder, **kwargs))  # before reading any weights
     log.info("loading target %s (%s, %s)", path, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
@@ -157,25 +163,36 @@ def stabilize(model: torch.nn.Module) -> None:
 
 def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
                        tokenizer: str | Path | None = None) -> Target:
-    """A Llama of the shape `spec` names, with random weights (seeded), the default GGUF's vocabulary and tokens
+    """A model of the shape `spec` names (Llama unless it says otherwise), with random weights (seeded), the default GGUF's vocabulary and tokens
     (or those of the tokenizer folder `tokenizer`, exported from it where the GGUF is not installed).
 
     Built directly on `device`: an 8B shape never passes through host memory. Its text is meaningless, but its
-    step times are those of a real model of that shape, which is what a capacity run needs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    step times are those of a real model of that shape, which is what a capacity run needs. Families without
+    Gemma's post-norms are stabilized (stabilize()); a Gemma's norms undo the scaling, so it is left as built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model_runner import Family
 
     shape = random_target_shape(spec)
     tokenizer = vocabulary_tokenizer(tokenizer)
     vocab_size = len(tokenizer)
     tokens = vocab_tokens(tokenizer, vocab_size)
     eos = tokenizer.eos_token_id
-    config = LlamaConfig(vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
-                         max_position_embeddings=max(8192, shape.pop("max_position_embeddings", 0)), **shape)
+    kind = shape.pop("model_type", "llama")
+    try:
+        config = AutoConfig.for_model(kind, vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=eos,
+                                      max_position_embeddings=max(8192, shape.pop("max_position_embeddings", 0)),
+                                      **shape)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"random target {spec}: {err}") from None
+    family = Family.of(config)
     log.info("building a random-weight target %s (%s, %s, seed %d)", spec, device, dtype, seed)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config)
-        stabilize(model)
+        model = AutoModelForCausalLM.from_config(config)
+        if not family.gemma:
+            stabilize(model)
         model = model.to(dtype).eval()
     params = sum(p.numel() for p in model.parameters())
     return Target(model=model, name=f"{spec} ({params / 1e9:.2f}B parameters, random weights)", vocab_tokens=tokens,

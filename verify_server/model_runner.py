@@ -1,13 +1,17 @@
 """One forward pass of the target over a ragged batch of sessions, against the KV pool.
 
-The runner reads the weights of a transformers Llama-family model (no copy) and
-does its own forward so that every session attends over its own cache slot.
+The runner reads the weights of a transformers model (no copy) of a supported
+family and does its own forward so that every session attends over its own
+cache slot. Families differ from Llama's block in a few places, read once from
+the config into a Family and per-layer LayerSpecs: q/k norms, Gemma's norms and
+activation, sliding-window layers with their own RoPE.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +49,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * weight
 
 
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers' Gemma3RMSNorm, with `weight` already 1 + w in float32: scale in float32, then cast.
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     # x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.., +1..]:
     # the sign lives in sin_signed, so this is exact and two ops shorter.
@@ -67,6 +77,74 @@ def _check_segments(inp: ModelInput) -> None:
         raise ValueError(f"segments cover {covered} tokens of {len(positions)}")
 
 
+# transformers model_type -> the family's differences from Llama's block.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+def check_architecture(config) -> None:
+    """Refuse a target the runner cannot compute, naming it and what is supported."""
+    name = getattr(config, "model_type", None)
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported target architecture {name!r}: SLED serves "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family's block differs from Llama's."""
+
+    qk_norm: bool  # an RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    gemma: bool  # Gemma: norms scale by 1 + w in float32, norms after attention and around the MLP, tanh GELU,
+    # embeddings scaled by sqrt(hidden), attention scaled by query_pre_attn_scalar
+
+    @classmethod
+    def of(cls, config) -> Family:
+        check_architecture(config)
+        kind = config.model_type
+        return cls(qk_norm=kind in ("qwen3", "gemma3_text"), gemma=kind == "gemma3_text")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer reads besides its projections: its norm weights (None where the family has none there),
+    its sliding window (None: global attention) and which RoPE table it rotates with."""
+
+    pre_attention: torch.Tensor
+    pre_mlp: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_attention: torch.Tensor | None
+    post_mlp: torch.Tensor | None
+    window: int | None
+    rope: str
+
+
+def _inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
+    """RoPE's inverse frequencies for one rope_parameters dict: default, or linear (positions divided by factor)."""
+    kind = rope.get("rope_type") or "default"
+    if kind not in ("default", "linear"):
+        raise ValueError(f"unsupported rope type {kind!r} (SLED computes default and linear RoPE)")
+    inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    return inv / rope["factor"] if kind == "linear" else inv
+
+
+def _layer_windows_and_ropes(cfg) -> tuple[list[int | None], list[str], dict[str, dict]]:
+    """Per layer its sliding window and RoPE name; the RoPE parameters by name. Layer types come from the config's
+    layer_types (Gemma 3, Qwen2/3); Mistral slides every layer by its sliding_window."""
+    n = cfg.num_hidden_layers
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+    window = getattr(cfg, "sliding_window", None)
+    if cfg.model_type == "mistral" and window is not None:
+        types = ["sliding_attention"] * n
+    windows = [window if t == "sliding_attention" else None for t in types]
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if all(t in rope for t in set(types)):  # one RoPE per layer type (Gemma 3)
+        return windows, types, {t: dict(rope[t]) for t in set(types)}
+    flat = {"rope_type": rope.get("rope_type", "default"),
+            "rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)), **rope}
+    return windows, ["all"] * n, {"all": flat}
+
+
 # The attention kernels PyTorch may choose from on CUDA: not cuDNN's, which costs host time at every attention shape
 # it has not met, and decoding meets a new one at nearly every step (docs/kernels.md). A runner's `sdpa_backends`.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -81,8 +159,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto",
                  fused: str = "auto", fused_max_tokens: int | None = None):
         cfg = model.config
-        if getattr(cfg, "model_type", None) not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported target architecture {cfg.model_type!r}: SLED runs Llama-family models")
+        self.family = Family.of(cfg)
         self.model = model
         self.kv = kv
         self.prepare_attention, self.attention = ATTENTION[attention]
@@ -91,14 +168,20 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.scale = self.head_dim ** -0.5
+        gemma = self.family.gemma
+        self.scale = (cfg.query_pre_attn_scalar if gemma else self.head_dim) ** -0.5
+        self.norm_fn = _gemma_norm if gemma else _rms_norm
+        self.act = (lambda x: F.gelu(x, approximate="tanh")) if gemma else F.silu
         inner = model.model
         self.embed = inner.embed_tokens.weight
-        self.layers = list(inner.layers)
-        self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        # Gemma scales embeddings by sqrt(hidden), rounded to the weights' dtype as transformers does.
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=self.dtype) if gemma else None
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if gemma else None
+        self.layers = list(inner.layers)
+        self.norm = self._norm_weight(inner.norm.weight)
+        self.lm_head = model.lm_head.weight
         self.linear = resolve_linear(linear, self.device, self.dtype)
         make = LINEAR[self.linear]
         # Per layer: (q, k, v), o, (gate, up) and down, each group one projection reading one input.
@@ -108,21 +191,36 @@ class ModelRunner:
             groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
             self.proj.append(tuple(make([mod.weight for mod in g], [mod.bias for mod in g]) for g in groups))
         self.project_logits = make([self.lm_head], [getattr(model.lm_head, "bias", None)])
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope.get('rope_type')!r}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        freqs = torch.outer(torch.arange(kv.max_seq_len, dtype=torch.float64), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [max_seq_len, head_dim]
-        sin = emb.sin()
-        half = self.head_dim // 2
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self.device, dtype=self.dtype)
+        windows, ropes, rope_params = _layer_windows_and_ropes(cfg)
+        self.specs = [self._spec(layer, w, r) for layer, w, r in zip(self.layers, windows, ropes)]
+        self.windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        self.cos, self.sin_signed = {}, {}  # RoPE name -> [max_seq_len, head_dim]
+        for name, params in rope_params.items():
+            freqs = torch.outer(torch.arange(kv.max_seq_len, dtype=torch.float64), _inv_freq(params, self.head_dim))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos[name] = emb.cos().to(device=self.device, dtype=self.dtype)
+            sin = emb.sin()
+            half = self.head_dim // 2
+            self.sin_signed[name] = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self.device,
+                                                                                          dtype=self.dtype)
         # None: calibrate_fused() measures it (the engine's warm-up); until then, a threshold measured on one host.
         self.fused_max_tokens = fused_max_tokens if fused_max_tokens is not None else UNCALIBRATED_FUSED_MAX_TOKENS
         self.fused = self._make_fused(fused)
         self.sdpa_backends = list(CUDA_SDPA_BACKENDS)  # the attention kernels PyTorch may choose from, on CUDA
+
+    def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
+        # Gemma's norms scale by 1 + w in float32; computed once here rather than at every step.
+        return None if w is None else (1.0 + w.float()) if self.family.gemma else w
+
+    def _spec(self, layer, window: int | None, rope: str) -> LayerSpec:
+        a, n = layer.self_attn, self._norm_weight
+        q_norm, k_norm = (n(a.q_norm.weight), n(a.k_norm.weight)) if self.family.qk_norm else (None, None)
+        if self.family.gemma:
+            return LayerSpec(n(layer.input_layernorm.weight), n(layer.pre_feedforward_layernorm.weight), q_norm,
+                             k_norm, n(layer.post_attention_layernorm.weight),
+                             n(layer.post_feedforward_layernorm.weight), window, rope)
+        return LayerSpec(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
+                         None, None, window, rope)
 
     def kernels(self) -> dict:
         """How this runner computes: device, dtype, attention and linear kernels, and the largest step (in tokens)
@@ -174,6 +272,12 @@ class ModelRunner:
             raise ValueError(f"fused must be auto, on or off, got {mode!r}")
         if mode == "off" or (mode == "auto" and (self.device.type != "cpu" or self.dtype != torch.float32)):
             return None
+        why = self._unfused_reason()
+        if why:
+            if mode == "on":
+                raise ValueError(f"fused: on, but the fused CPU step cannot compute this target: {why}")
+            log.info("the fused CPU step steps aside for this target (%s): PyTorch computes every batch", why)
+            return None
         try:
             def bias(mod):
                 return getattr(mod, "bias", None)
@@ -187,7 +291,7 @@ class ModelRunner:
                                "up": m.up_proj.weight, "bgate": bias(m.gate_proj), "bup": bias(m.up_proj),
                                "down": m.down_proj.weight, "bdown": bias(m.down_proj)})
             return CpuStep(layers=layers, norm=self.norm, lm_head=self.lm_head, lm_bias=bias(self.model.lm_head),
-                           k_cache=self.kv.k, v_cache=self.kv.v, cos=self.cos, sin_signed=self.sin_signed,
+                           k_cache=self.kv.k, v_cache=self.kv.v, cos=self.cos["all"], sin_signed=self.sin_signed["all"],
                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            eps=self.eps, scale=self.scale)
         except CpuStepUnavailable as err:
@@ -195,6 +299,16 @@ class ModelRunner:
                 raise ValueError(f"fused: on, but the fused CPU step is unavailable: {err}") from err
             log.warning("fused CPU step unavailable, using PyTorch for every batch: %s", err)
             return None
+
+    def _unfused_reason(self) -> str | None:
+        """Why the fused CPU step (Llama's block, global attention, one RoPE) cannot compute this target."""
+        if self.family.gemma:
+            return "Gemma's norms, activation and embedding scale"
+        if self.family.qk_norm:
+            return "q/k norms"
+        if any(spec.window is not None for spec in self.specs):
+            return "sliding-window layers"
+        return None
 
     @property
     def vocab_size(self) -> int:
@@ -207,6 +321,8 @@ class ModelRunner:
         slots = inp.slots.to(self.device)
         n = tokens.shape[0]
         h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if self.fused is not None and n <= self.fused_max_tokens:
             _check_segments(inp)
             return self.fused(h, positions, slots, inp.logit_rows)
@@ -216,24 +332,34 @@ class ModelRunner:
         return self._forward(inp, h, positions, slots)
 
     def _forward(self, inp: ModelInput, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        n = h.shape[0]
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin_signed[positions].unsqueeze(1)
-        masks = self.prepare_attention(inp.segments, self.device, self.num_heads // self.num_kv_heads, self.dtype)
-        for i, layer in enumerate(self.layers):
+        n, norm = h.shape[0], self.norm_fn
+        cos = {name: table[positions].unsqueeze(1) for name, table in self.cos.items()}  # [num_tokens, 1, head_dim]
+        sin = {name: table[positions].unsqueeze(1) for name, table in self.sin_signed.items()}
+        groups = self.num_heads // self.num_kv_heads
+        masks = {w: self.prepare_attention(inp.segments, self.device, groups, self.dtype, w) for w in self.windows}
+        for i, spec in enumerate(self.specs):
             qkv_proj, o_proj, gate_up_proj, down_proj = self.proj[i]
-            q, k, v = qkv_proj(_rms_norm(h, layer.input_layernorm.weight, self.eps))
+            q, k, v = qkv_proj(norm(h, spec.pre_attention, self.eps))
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
+            if spec.q_norm is not None:
+                q, k = norm(q, spec.q_norm, self.eps), norm(k, spec.k_norm, self.eps)
+            q = _rope(q, cos[spec.rope], sin[spec.rope])
+            k = _rope(k, cos[spec.rope], sin[spec.rope])
             k_cache, v_cache = self.kv.k[i], self.kv.v[i]
             k_cache[slots, :, positions] = k
             v_cache[slots, :, positions] = v
-            o = self.attention(q, k_cache, v_cache, inp.segments, self.scale, masks)
-            h = h + o_proj(o.reshape(n, -1))[0]
-            gate, up = gate_up_proj(_rms_norm(h, layer.post_attention_layernorm.weight, self.eps))
-            h = h + down_proj(F.silu(gate) * up)[0]
+            o = self.attention(q, k_cache, v_cache, inp.segments, self.scale, masks[spec.window])
+            h = h + _maybe(norm, o_proj(o.reshape(n, -1))[0], spec.post_attention, self.eps)
+            gate, up = gate_up_proj(norm(h, spec.pre_mlp, self.eps))
+            h = h + _maybe(norm, down_proj(self.act(gate) * up)[0], spec.post_mlp, self.eps)
         rows = h[inp.logit_rows.to(self.device)]
-        return self.project_logits(_rms_norm(rows, self.norm, self.eps))[0].float()
+        logits = self.project_logits(norm(rows, self.norm, self.eps))[0].float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+def _maybe(norm: Callable, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return x if weight is None else norm(x, weight, eps)

@@ -80,3 +80,29 @@ def test_a_cache_too_large_for_memory_is_a_clear_error():
     with pytest.raises(ValueError, match=r"KV cache of 1000000 sessions of 100000 tokens \(.* GiB\) does not fit"):
         KVCache.create(1000, 1_000_000, 8, 100_000, 128, torch.float32, torch.device("cpu"))
     assert KVCache.create(2, 2, 1, 8, 4, torch.float32, torch.device("cpu")).num_free == 2
+
+
+@pytest.mark.parametrize("lengths", [[(2, 5, 12), (0, 1, 30), (1, 3, 3)],  # a decode token far past the window
+                                     [(0, 40, 45), (2, 1, 16), (1, 9, 40)]])  # a prompt longer than the window
+def test_sliding_window_attention_sees_only_the_last_window_positions(lengths):
+    """Sliding-window layers (Mistral, Gemma 3): each query sees its last 6 positions. The reference is checked
+    against a brute-force mask first; every kernel, per segment and padded, must give it, one-token segments too."""
+    q, k, v, segments = ragged_batch(lengths, 11)
+    window = 6
+    want = attention_reference(q, k, v, segments, 0.35, window)
+    for seg in segments:  # brute force: a query at position p attends over keys (p - window, p] alone
+        for i in range(seg.length):
+            p = seg.context_len - seg.length + i
+            lo = max(0, p - window + 1)
+            one = attention_reference(q[seg.start + i:seg.start + i + 1], k[:, :, lo:], v[:, :, lo:],
+                                      [Segment(seg.slot, 0, 1, p + 1 - lo)], 0.35)
+            assert torch.allclose(want[seg.start + i], one[0], atol=1e-5)
+    assert not torch.allclose(want, attention_reference(q, k, v, segments, 0.35), atol=1e-3)  # the window matters
+    masks = causal_masks(segments, q.device, 3, window=window)
+    assert torch.allclose(attention_sdpa(q, k, v, segments, 0.35, masks), want, atol=1e-5)
+    for seg in segments:
+        k[seg.slot, :, seg.context_len:] = float("nan")
+    assert torch.allclose(attention_batched(q, k, v, batch_plan(segments, q.device, 3, window=window), 0.35), want,
+                          atol=1e-5)
+    assert torch.allclose(ATTENTION["reference"][1](q, k, v, segments, 0.35,
+                                                    ATTENTION["reference"][0](segments, "cpu", 3, window=window)), want)
