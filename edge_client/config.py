@@ -12,12 +12,15 @@ from sled.settings import check_token, load_settings, read_token_file
 from .drafters.base import DrafterOptions
 from .policy import DraftPolicy
 from .resilience import FALLBACKS, Resilience
+from .servers import check_servers
 from .transport import TLS, read_ca, read_client_pair
 
 
 @dataclass(frozen=True)
 class EdgeConfig:
-    server: str = "127.0.0.1:50051"  # verify server HOST:PORT
+    # verify server HOST:PORT; several: a list (in YAML, or comma-separated) or dns:///NAME:PORT (every address the
+    # name resolves to); a device's sessions stay on one healthy server of them (edge_client/servers.py)
+    server: str | list[str] = "127.0.0.1:50051"
     drafter: str = "llama-cpp"  # llama-cpp | onnx | cacheback | ngram | none | stacked | stack:PROPOSER+MODEL
     draft_model: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
     onnx_model: str | None = None  # .onnx for the onnx drafter
@@ -68,6 +71,10 @@ class EdgeConfig:
         check_drafter_name(self.drafter)
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if isinstance(self.server, list):
+            if not all(isinstance(s, str) for s in self.server):
+                raise ValueError(f"server must be HOST:PORT or a list of them, got {self.server!r}")
+            object.__setattr__(self, "server", ",".join(self.server))
         check_server(self.server)
         for name in ("context_size", "max_concurrent", "default_max_tokens", "wait_deadline_s", "round_timeout_s"):
             if not getattr(self, name) > 0:  # also refuses NaN
@@ -133,11 +140,9 @@ class EdgeConfig:
 
 
 def check_server(address: str) -> str:
-    """A verify server's HOST:PORT, checked: gRPC would take a missing port as 443."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"server must be HOST:PORT with a port in 1..65535, got {address!r}")
-    return address
+    """The verify servers' HOST:PORT, a comma-separated list of them or dns:///NAME:PORT, checked: gRPC would take
+    a missing port as 443."""
+    return check_servers(address)
 
 
 def load_edge_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,

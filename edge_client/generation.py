@@ -92,7 +92,8 @@ class _Generation:
                                               wait_for_ready=self.outage.waits_for_ready)
         if self.opens:
             self.result.reconnects += 1
-        self.outage.opened(reopened=self.opens > 0, context_tokens=len(self.context))
+        self.outage.opened(reopened=self.opens > 0, context_tokens=len(self.context),
+                           server=getattr(self.session, "server", None))
         self.opens += 1
         self.controller.cap(self.session.opened.max_draft_tokens)
         if self.session.opened.fly_window:  # FLy defers a mismatch only with its W - 1 next tokens drafted too

@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 
+from .servers import resolve, split_servers
 from .transport import TLS, VerifyError, fetch_info
 
 
@@ -77,19 +78,29 @@ def main_info(args) -> int:
         print("sled-edge info: --timeout must be > 0", file=sys.stderr)
         return 2
     try:
-        info = asyncio.run(fetch_info(args.server, args.timeout, channel_tls(args)))
-    except ValueError as err:
+        tls = channel_tls(args)
+        entries, dns = split_servers(args.server)
+        addresses = asyncio.run(resolve(entries[0])) if dns else entries
+    except (ValueError, OSError) as err:
         print(f"sled-edge info: {err}", file=sys.stderr)
         return 2
-    except VerifyError as err:
-        if err.code == "DEADLINE_EXCEEDED":  # nothing listens there, or nothing reaches it
-            print(f"sled-edge info: no answer from {args.server} within {args.timeout:g}s ({err.message})",
-                  file=sys.stderr)
-        else:  # e.g. UNAVAILABLE while the model loads
-            print(f"sled-edge info: {args.server} answered {err}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(_plain(info), indent=2))
-    else:
-        print(f"server {args.server}\n" + "\n".join(f"  {x}" for x in describe_info(info).splitlines()))
-    return 0
+    answers, rc = [], 0
+    for address in addresses:  # each server of a fleet answers for itself
+        try:
+            info = asyncio.run(fetch_info(address, args.timeout, tls))
+        except VerifyError as err:
+            if err.code == "DEADLINE_EXCEEDED":  # nothing listens there, or nothing reaches it
+                print(f"sled-edge info: no answer from {address} within {args.timeout:g}s ({err.message})",
+                      file=sys.stderr)
+            else:  # e.g. UNAVAILABLE while the model loads
+                print(f"sled-edge info: {address} answered {err}", file=sys.stderr)
+            rc = 1
+            continue
+        answers.append((address, info))
+        if not args.json:
+            print(f"server {address}\n" + "\n".join(f"  {x}" for x in describe_info(info).splitlines()))
+    if args.json and answers:
+        plain = (_plain(answers[0][1]) if len(addresses) == 1
+                 else [dict(_plain(info), server=address) for address, info in answers])
+        print(json.dumps(plain, indent=2))
+    return rc

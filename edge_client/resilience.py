@@ -90,13 +90,15 @@ class Outage:
         self.next_attempt = now + (min(self.backoff, left) if self.policy.fallback == "wait" else self.backoff)
         self.backoff = min(self.backoff * 2, self.policy.backoff_max_s)
 
-    def opened(self, reopened: bool, context_tokens: int) -> None:
-        """A session opened: say so where the server had been away, and forget the outage."""
+    def opened(self, reopened: bool, context_tokens: int, server: str | None = None) -> None:
+        """A session opened (on `server`, where the device has several): say so where the server had been away, and
+        forget the outage."""
         if self.since is not None:
             after = f"after {time.monotonic() - self.since:.1f}s"
-            self._say(f"verify server {self.address} reopened the session {after} with its whole context "
+            where = server or self.address
+            self._say(f"verify server {where} reopened the session {after} with its whole context "
                       f"({context_tokens} tokens)" if reopened
-                      else f"verify server {self.address} opened the session {after}")
+                      else f"verify server {where} opened the session {after}")
         self.since, self.backoff = None, self.policy.backoff_initial_s
 
     def until_next_attempt(self) -> float:

@@ -112,10 +112,11 @@ class TLS:
 
 class VerifierClient:
     def __init__(self, address: str, auth_token: str | None = None, own_connection: bool = False,
-                 tls: TLS | None = None):
+                 tls: TLS | None = None, service_config: str | None = None):
         """own_connection: a TCP connection of this client's own, not shared with other channels of this process to
         the same address (gRPC shares them by default): each replayed device of a benchmark over its own link.
-        tls: reach the server over TLS (None: a plain connection, as the server listens by default)."""
+        tls: reach the server over TLS (None: a plain connection, as the server listens by default).
+        service_config: gRPC's service config for the channel (JSON), e.g. client-side health checking."""
         self.address = address
         self.auth_token = auth_token
         self.tls = tls is not None
@@ -127,6 +128,7 @@ class VerifierClient:
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 4_000),
             *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
+            *([("grpc.service_config", service_config)] if service_config else []),
         ]
         if tls is None:
             self.channel = grpc.aio.insecure_channel(address, options=options)
@@ -182,6 +184,7 @@ class RemoteSession:
         """draining: the client's set of closed sessions' stream-end reads (VerifierClient.close waits for them)."""
         self.call = call
         self.opened: codec.Opened | None = None
+        self.server: str | None = None  # the server it opened on, where the client has several
         self._draining = draining
 
     async def _ended(self) -> VerifyError:

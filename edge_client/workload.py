@@ -13,7 +13,7 @@ from .drafters import create_drafter
 from .generation import generate
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .transport import VerifierClient
+from .servers import connect
 
 QUESTIONS = [
     "Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
@@ -32,7 +32,7 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
     SamplingParams(temperature=temperature)  # checks it before the drafter loads
     tokenizer = Tokenizer(config.tokenizer or config.draft_model)
     drafter = create_drafter(config.drafter, config.drafter_options())
-    client = VerifierClient(config.server, config.token(), tls=config.channel_tls())
+    client = connect(config.server, config.token(), config.channel_tls(), affinity=name)
     policy, resilience = config.draft_policy(), config.resilience()
     controller = AdaptiveDraftLength.for_device(config.max_draft_tokens, config.draft_ahead,  # kept across requests
                                                 config.confidence_stop)

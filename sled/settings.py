@@ -60,6 +60,8 @@ def check_value(name: str, value: Any, annotation) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number, got {value!r}")
         return float(value)
+    if isinstance(value, list) and any(typing.get_origin(k) is list for k in kinds):
+        return value  # a list field (the device's servers): the dataclass checks its items
     if str in kinds and not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {value!r}")
     return value
