@@ -14,7 +14,8 @@ help:
 	@echo "make demo      set up if needed, start a verify server and a device, generate text, stop both"
 	@echo "make test      set up if needed and run the whole test suite"
 	@echo "make test-fast the tests that need no real model"
-	@echo "make simulate  run docker-compose.yml's services as local processes (no Docker needed)"
+	@echo "make simulate  run docker-compose.yml's services as local processes (no Docker needed);"
+	@echo "               PROFILE=fleet adds a second server and devices that take both"
 	@echo "make bench     first figures: SLED vs server-only at 1, 4, 16 sessions (docs/benchmarks.md)"
 	@echo "make install   create .venv and install SLED with its server, edge and test dependencies"
 	@echo "make proto     generate the Python wire modules from protos/"
@@ -55,7 +56,7 @@ demo: install
 	$(PY) scripts/demo.py
 
 simulate: install
-	$(PY) scripts/simulate.py
+	$(PY) scripts/simulate.py $(if $(PROFILE),--profile $(PROFILE))
 
 bench: install
 	$(VENV)/bin/sled-bench first

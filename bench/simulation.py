@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def load_compose(path: Path) -> dict:
+def load_compose(path: Path, profiles: tuple[str, ...] = ()) -> dict:
+    """The compose file's services that run with `profiles` active: those without profiles, and those of one of them
+    (compose's own rule)."""
     try:
         doc = yaml.safe_load(path.read_text())  # merge keys (<<: *device) resolve here
     except yaml.YAMLError as err:
@@ -52,7 +54,12 @@ def load_compose(path: Path) -> dict:
             raise ValueError(f"service {name}: must be a mapping of settings, got {type(svc).__name__}")
         if not isinstance(svc.get("command"), list):
             raise ValueError(f"service {name}: command must be a list (exec form)")
-    return services
+    known = {p for svc in services.values() for p in svc.get("profiles") or ()}
+    unknown = sorted(set(profiles) - known)
+    if unknown:
+        raise ValueError(f"{path} has no profile {', '.join(unknown)} (profiles: {', '.join(sorted(known)) or 'none'})")
+    return {name: svc for name, svc in services.items()
+            if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
 
 
 class Plan:
@@ -77,6 +84,8 @@ class Plan:
                 self.mounts.append((dst, (ROOT / src).resolve()))
 
     def rewrite(self, name: str, arg: str, via: dict | None = None) -> str:
+        if "," in arg and all(self.rewrite(name, part, via) != part for part in arg.split(",")):
+            return ",".join(self.rewrite(name, part, via) for part in arg.split(","))  # a device's list of servers
         for dst, src in self.mounts:
             if arg == dst or arg.startswith(dst + "/"):
                 return str(src) + arg[len(dst):]
@@ -206,6 +215,9 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="write the device summaries as JSON")
     ap.add_argument("--link", metavar="SPEC", help="emulated link per device, e.g. delay_ms=20,jitter_ms=5,rate_mbit=50")
     ap.add_argument("--netns", action="store_true", help="run each device in its own network namespace (root)")
+    ap.add_argument("--profile", action="append", default=[], metavar="NAME",
+                    help="also run the services of this compose profile (e.g. fleet: a second server and devices "
+                         "that take both); repeatable")
     args = ap.parse_args()
     if not args.timeout > 0:
         ap.error(f"--timeout must be positive, got {args.timeout:g}")
@@ -218,7 +230,7 @@ def main() -> int:
         print("simulate: --netns needs root (network namespaces and veth pairs)", file=sys.stderr)
         return 2
     try:
-        services = load_compose(Path(args.compose))
+        services = load_compose(Path(args.compose), tuple(args.profile))
     except (OSError, ValueError) as err:
         print(f"simulate: {err}", file=sys.stderr)
         return 2

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-tokens", type=int,
                    help="tokens of shared prompt prefixes (a system prompt) whose KV is kept for new sessions, so "
                         f"they are not prefilled again; 0 turns it off (default {d.prefix_cache_tokens})")
+    p.add_argument("--drain-s", type=float, metavar="SECONDS",
+                   help=f"on SIGTERM, how long sessions under way get before the server stops (default {d.drain_s:g}); "
+                        "devices move new sessions elsewhere at once")
     p.add_argument("--idle-timeout-s", type=float, help=f"free a session after this many idle seconds (default {d.idle_timeout_s:g})")
     p.add_argument("--auth-token", help="require this bearer token in every Open; it shows in the process list, so "
                                         "prefer --auth-token-file or SLED_AUTH_TOKEN (default: none)")

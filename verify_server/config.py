@@ -39,6 +39,7 @@ class ServerConfig:
     # KV of prompt prefixes that different sessions share (system prompts), kept for new sessions; 0 turns it off.
     prefix_cache_tokens: int = 1024
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
+    drain_s: float = 5.0  # on SIGTERM: NOT_SERVING at once, sessions under way get this long, then the process ends
     # How drafts are verified where an Open does not say: exact (lossless) or fly (loosely, greedy sessions only: the
     # text is then no longer exactly the target's); allow_fly false refuses sessions that ask for FLy.
     verification: str = "exact"
@@ -81,7 +82,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
         for name in ("max_sessions", "max_seq_len", "max_batch_sessions", "max_batch_tokens",
-                     "max_draft_tokens", "max_draft_top_k", "idle_timeout_s"):
+                     "max_draft_tokens", "max_draft_top_k", "idle_timeout_s", "drain_s"):
             positive(name)
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")

@@ -58,6 +58,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_tokens)
         self.scheduler = Scheduler(config)
         self.metrics = Metrics(max_positions=config.max_draft_tokens)
+        self.metrics.free_slots.set(self.kv.num_free)
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = frozenset(target.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -262,6 +263,7 @@ class Engine:
             self._pending.append(VerifyWork(session, DraftRequest.empty(0), on_verdict))
         self.metrics.record_open(device.label)
         self.metrics.active_sessions.set(len(self._sessions))
+        self.metrics.free_slots.set(self.kv.num_free)
         log.info("session %s opened for %s%s: %d context tokens", session.id, device.name,
                  f" ({req.client_id})" if req.client_id else "", len(session.tokens))
         return session
@@ -288,6 +290,7 @@ class Engine:
             self._pending.remove(work)
             work.reply(SledError("CANCELLED", "session closed"))
         self.metrics.active_sessions.set(len(self._sessions))
+        self.metrics.free_slots.set(self.kv.num_free)
 
     def _release(self, session: Session) -> None:
         if session.slot >= 0:

@@ -49,6 +49,7 @@ class Metrics:
         self._p_prefix_hits = Counter("sled_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                       registry=r)
         self.active_sessions = Gauge("sled_active_sessions", "sessions holding a KV slot", registry=r)
+        self.free_slots = Gauge("sled_free_slots", "KV slots free for new sessions", registry=r)
         # Per device: its name where a credential names it (verify_server.auth.Identity.label), else "anonymous".
         self._p_device_sessions = Counter("sled_device_sessions", "sessions opened, per device", ["device"],
                                           registry=r)

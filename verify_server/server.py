@@ -148,5 +148,5 @@ async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
         await waiter
     else:
         loader.cancel()
-    log.info("shutting down")
-    await server.stop()
+    log.info("shutting down: NOT_SERVING, %gs for the sessions under way", config.drain_s)
+    await server.stop(grace=config.drain_s)

@@ -82,3 +82,17 @@ def test_a_compose_file_of_the_wrong_shape_is_a_clear_error(tmp_path, text, afte
     with pytest.raises(ValueError) as err:
         simulate.load_compose(f)
     assert str(err.value) == f"{f}{after_path}"
+
+
+def test_the_fleet_profile_adds_a_second_server_and_devices_that_take_both():
+    plain = simulate.load_compose(ROOT / "docker-compose.yml")
+    fleet = simulate.load_compose(ROOT / "docker-compose.yml", ("fleet",))
+    assert "verify-server-b" not in plain and "device-fleet-a" not in plain
+    assert set(plain) < set(fleet) and {"verify-server-b", "device-fleet-a", "device-fleet-b"} <= set(fleet)
+    plan = simulate.Plan(fleet)
+    command = plan.command("device-fleet-a")
+    servers = command[command.index("--server") + 1].split(",")
+    assert servers == [f"127.0.0.1:{plan.grpc_port('verify-server')}", f"127.0.0.1:{plan.grpc_port('verify-server-b')}"]
+    assert plan.grpc_port("verify-server") != plan.grpc_port("verify-server-b")
+    with pytest.raises(ValueError, match="no profile gpu"):
+        simulate.load_compose(ROOT / "docker-compose.yml", ("gpu",))

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.model
 def test_compose_services_run_as_local_processes_over_emulated_links(tmp_path):
     out = tmp_path / "devices.json"
     netns = os.geteuid() == 0 and shutil.which("ip") is not None
-    extra = ["--link", "delay_ms=20,jitter_ms=5,rate_mbit=50"] + (["--netns"] if netns else [])
+    # the fleet profile: two servers, and devices that take both
+    extra = ["--link", "delay_ms=20,jitter_ms=5,rate_mbit=50", "--profile", "fleet"] + (["--netns"] if netns else [])
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--timeout", "600", "--json", str(out),
                            *extra], capture_output=True, text=True, timeout=700)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
