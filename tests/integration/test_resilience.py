@@ -103,8 +103,10 @@ def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max
 
     async def go():
         client = VerifierClient(server.address)
-        gen = _Generation(client, drafter, tokenizer, prompt, max_tokens, SamplingParams(), 3, (), on_text, "test",
-                          resilience, None, on_status=None if statuses is None else statuses.append)
+        policy = DraftPolicy(draft_tokens=3, adaptive=False)
+        gen = _Generation(client, drafter, tokenizer, prompt, max_tokens, SamplingParams(), policy,
+                          policy.controller(None), resilience, (), on_text,
+                          None if statuses is None else statuses.append, None, "test")
         holder["gen"] = gen
         try:
             return await gen.run()
