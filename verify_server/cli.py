@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "writes the default GGUF's), where the GGUF is not installed (default: read from the GGUF)")
     p.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {d.device})")
     p.add_argument("--dtype", help=f"auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (default {d.dtype})")
+    p.add_argument("--tensor-parallel", type=int, metavar="N",
+                   help=f"split the target over N ranks (one GPU each on CUDA, processes on the CPU), started and "
+                        f"stopped with the server (default {d.tensor_parallel})")
     p.add_argument("--max-sessions", type=int, help=f"KV cache slots, i.e. sessions held at once (default {d.max_sessions})")
     p.add_argument("--max-seq-len", type=int, help=f"context tokens per session (default {d.max_seq_len})")
     p.add_argument("--max-batch-sessions", type=int, help=f"verifications per step (default {d.max_batch_sessions})")
@@ -105,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"sled-server: bad configuration: {err}", file=sys.stderr)
         return 2
-    from .server import serve
+    from .server import ServerLost, serve
 
     try:
         asyncio.run(serve(config, attention=args.attention))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ServerLost) as err:
         print(f"sled-server: {err}", file=sys.stderr)
         return 1
     return 0

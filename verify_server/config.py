@@ -25,6 +25,9 @@ class ServerConfig:
     tokenizer: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    # Ranks the target's heads and MLP columns are split over (verify_server/tensor_parallel.py): on CUDA one GPU each
+    # (cuda:0 .. cuda:N-1), on the CPU processes sharing its cores.
+    tensor_parallel: int = 1
     max_sessions: int = 32  # KV slots: sessions held at once
     max_seq_len: int = 2048  # context tokens per session (prompt + generated)
     max_batch_sessions: int = 16  # verification requests in one step
@@ -82,7 +85,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
         for name in ("max_sessions", "max_seq_len", "max_batch_sessions", "max_batch_tokens",
-                     "max_draft_tokens", "max_draft_top_k", "idle_timeout_s", "drain_s"):
+                     "max_draft_tokens", "max_draft_top_k", "idle_timeout_s", "drain_s", "tensor_parallel"):
             positive(name)
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
@@ -133,6 +136,9 @@ class ServerConfig:
             if not Path(self.tokenizer).is_dir():
                 raise ValueError(f"tokenizer {self.tokenizer} is not a folder (a Hugging Face tokenizer folder, as "
                                  "scripts/export_tokenizer.py writes)")
+        if self.tensor_parallel > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"tensor_parallel {self.tensor_parallel} takes cuda:0 to cuda:{self.tensor_parallel - 1}: "
+                             f"set device to cuda or auto, not {self.device}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:

@@ -38,24 +38,50 @@ log = logging.getLogger(__name__)
 Reply = Callable[[object], None]  # receives a result or an exception
 
 
+def build_compute(config: ServerConfig, target: Target, attention: str = "sdpa",
+                  shard=None) -> tuple[KVCache, ModelRunner, PrefixCache]:
+    """The KV pool, runner and prefix cache of the target, or of this rank's shard of it (tensor_parallel.Shard)."""
+    mcfg = target.model.config
+    head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+    param = next(target.model.parameters())
+    context = getattr(mcfg, "max_position_embeddings", None)
+    if context and config.max_seq_len > context:
+        raise ValueError(f"max_seq_len {config.max_seq_len} is past the target's context length {context} "
+                         "(its max_position_embeddings)")
+    kv_heads = mcfg.num_key_value_heads // (shard.world if shard is not None else 1)  # the KV pool by KV head
+    kv = KVCache.create(mcfg.num_hidden_layers, config.max_sessions, kv_heads, config.max_seq_len, head_dim,
+                        param.dtype, param.device)
+    runner = ModelRunner(target.model, kv, attention, config.linear, config.fused, config.fused_max_tokens, shard)
+    return kv, runner, PrefixCache(kv, config.prefix_cache_tokens)
+
+
+class Mirrored:
+    """`inner`, some of its methods run on every tensor-parallel rank (tensor_parallel.Leader.mirror)."""
+
+    def __init__(self, inner, leader, methods: dict[str, str]):
+        self._inner = inner
+        for method, command in methods.items():
+            setattr(self, method, leader.mirror(command, getattr(inner, method)))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 class Engine:
-    def __init__(self, config: ServerConfig, target: Target, attention: str = "sdpa"):
+    def __init__(self, config: ServerConfig, target: Target, attention: str = "sdpa", leader=None):
+        """leader (tensor_parallel.Leader): target holds rank 0's shard; every call that touches the shards is
+        mirrored to the other ranks."""
         self.config = config
         self.target = target
-        mcfg = target.model.config
-        head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
-        param = next(target.model.parameters())
-        context = getattr(mcfg, "max_position_embeddings", None)
-        if context and config.max_seq_len > context:
-            raise ValueError(f"max_seq_len {config.max_seq_len} is past the target's context length {context} "
-                             "(its max_position_embeddings)")
-        self.kv = KVCache.create(mcfg.num_hidden_layers, config.max_sessions, mcfg.num_key_value_heads,
-                                 config.max_seq_len, head_dim, param.dtype, param.device)
-        self.runner = ModelRunner(target.model, self.kv, attention, config.linear, config.fused, config.fused_max_tokens)
+        self.kv, self.runner, self.prefix_cache = build_compute(config, target, attention,
+                                                                leader.shard if leader is not None else None)
+        if leader is not None:
+            self.runner = Mirrored(self.runner, leader, {"forward": "forward"})
+            self.prefix_cache = Mirrored(self.prefix_cache, leader, {"load": "prefix_load",
+                                                                     "observe": "prefix_observe"})
         if config.min_step_ms or config.min_step_ms_per_token:
             self.runner = StepFloor(self.runner, config.min_step_ms, config.min_step_ms_per_token)
         self._kernels = self.runner.kernels()
-        self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_tokens)
         self.scheduler = Scheduler(config)
         self.metrics = Metrics(max_positions=config.max_draft_tokens)
         self.metrics.free_slots.set(self.kv.num_free)

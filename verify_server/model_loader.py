@@ -33,7 +33,8 @@ TARGET_SHAPES: dict[str, dict] = {
 
 def random_target_shape(spec: str) -> dict:
     """The config fields of `random:NAME` (a name in TARGET_SHAPES) or `random:FILE.json` (config fields; a
-    model_type field picks another supported family than Llama)."""
+    model_type field picks another supported family than Llama, and "stabilize": false leaves the weights as
+    initialised)."""
     name = spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec
     if name in TARGET_SHAPES:
         return dict(TARGET_SHAPES[name])
@@ -179,6 +180,7 @@ def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed
     tokens = vocab_tokens(tokenizer, vocab_size)
     eos = tokenizer.eos_token_id
     kind = shape.pop("model_type", "llama")
+    stable = shape.pop("stabilize", True)  # false: the usual initialisation, e.g. for tests of sampling
     try:
         config = AutoConfig.for_model(kind, vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id,
                                       eos_token_id=eos,
@@ -191,7 +193,7 @@ def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config)
-        if not family.gemma:
+        if stable and not family.gemma:
             stabilize(model)
         model = model.to(dtype).eval()
     params = sum(p.numel() for p in model.parameters())

@@ -157,15 +157,20 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto",
-                 fused: str = "auto", fused_max_tokens: int | None = None):
+                 fused: str = "auto", fused_max_tokens: int | None = None, shard=None):
+        """shard (tensor_parallel.Shard): the model's projections are this rank's shard (tensor_parallel.shard_model);
+        each row-parallel projection's output is all-reduced, and only rank 0 computes logits."""
         cfg = model.config
         self.family = Family.of(cfg)
+        self.shard = shard
+        world = shard.world if shard is not None else 1
+        self.reduce = shard.all_reduce if shard is not None and world > 1 else (lambda x: x)
         self.model = model
         self.kv = kv
         self.prepare_attention, self.attention = ATTENTION[attention]
         self.attention_name = attention
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // world  # this rank's heads
+        self.num_kv_heads = cfg.num_key_value_heads // world
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         gemma = self.family.gemma
@@ -302,6 +307,8 @@ class ModelRunner:
 
     def _unfused_reason(self) -> str | None:
         """Why the fused CPU step (Llama's block, global attention, one RoPE) cannot compute this target."""
+        if self.shard is not None and self.shard.world > 1:
+            return "tensor parallel"
         if self.family.gemma:
             return "Gemma's norms, activation and embedding scale"
         if self.family.qk_norm:
@@ -351,9 +358,11 @@ class ModelRunner:
             k_cache[slots, :, positions] = k
             v_cache[slots, :, positions] = v
             o = self.attention(q, k_cache, v_cache, inp.segments, self.scale, masks[spec.window])
-            h = h + _maybe(norm, o_proj(o.reshape(n, -1))[0], spec.post_attention, self.eps)
+            h = h + _maybe(norm, self.reduce(o_proj(o.reshape(n, -1))[0]), spec.post_attention, self.eps)
             gate, up = gate_up_proj(norm(h, spec.pre_mlp, self.eps))
-            h = h + _maybe(norm, down_proj(self.act(gate) * up)[0], spec.post_mlp, self.eps)
+            h = h + _maybe(norm, self.reduce(down_proj(self.act(gate) * up)[0]), spec.post_mlp, self.eps)
+        if self.shard is not None and self.shard.rank:
+            return None  # rank 0 alone samples
         rows = h[inp.logit_rows.to(self.device)]
         logits = self.project_logits(norm(rows, self.norm, self.eps))[0].float()
         if self.final_softcap is not None:

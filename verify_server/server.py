@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
+class ServerLost(RuntimeError):
+    """The server stopped because it could not verify any more (a tensor-parallel rank died)."""
+
+
 class VerifyServer:
     """Owns the gRPC server and, once loaded, the engine. `target` may be given preloaded (tests share one)."""
 
@@ -36,6 +41,9 @@ class VerifyServer:
         self.target = target
         self.attention = attention
         self.engine: Engine | None = None
+        self.leader = None  # tensor_parallel.Leader where the target is split over ranks
+        self.lost: str | None = None  # why the server cannot serve any more (a tensor-parallel rank died)
+        self.on_lost = None  # called (from any thread) with that reason
         self.servicer = VerifierServicer(config)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
@@ -57,6 +65,7 @@ class VerifyServer:
         return await asyncio.get_running_loop().run_in_executor(self._torch, functools.partial(fn, *args))
 
     async def start(self) -> int:
+        self._loop = asyncio.get_running_loop()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         cfg = self.config
@@ -80,11 +89,14 @@ class VerifyServer:
     async def load(self) -> None:
         cfg = self.config
         t0 = time.monotonic()
-        if self.target is None:
-            device = resolve_device(cfg.device)
-            self.target = await self._on_torch_thread(load_target, cfg.target, device,
-                                                      resolve_dtype(cfg.dtype, device), cfg.tokenizer)
-        engine = await self._on_torch_thread(Engine, cfg, self.target, self.attention)
+        if cfg.tensor_parallel > 1:
+            engine = await self._on_torch_thread(self._sharded_engine)
+        else:
+            if self.target is None:
+                device = resolve_device(cfg.device)
+                self.target = await self._on_torch_thread(load_target, cfg.target, device,
+                                                          resolve_dtype(cfg.dtype, device), cfg.tokenizer)
+            engine = await self._on_torch_thread(Engine, cfg, self.target, self.attention)
         await self._on_torch_thread(engine.warmup)
         engine.start(self._torch)
         self.engine = engine
@@ -101,6 +113,37 @@ class VerifyServer:
         log.info("target %s warm in %.1fs (%s %s, %s attention, %s linear, %s): SERVING", self.target.name,
                  time.monotonic() - t0, kernels["device"], kernels["dtype"], kernels["attention"], kernels["linear"],
                  fused)
+
+    def _sharded_engine(self) -> Engine:
+        """Start the other ranks, build rank 0's shard of the target (loaded on the host, then cut, then moved) and
+        the engine over it; the other ranks build theirs meanwhile."""
+        from .tensor_parallel import Leader, rank_device, shard_model
+
+        cfg = self.config
+        loop = self._loop  # this runs on the torch thread; the reason is handled on the server's event loop
+        self.leader = Leader(cfg, self.attention, on_lost=lambda why: loop.call_soon_threadsafe(self._lose, why))
+        try:
+            device = rank_device(resolve_device(cfg.device), 0)
+            if self.target is None:
+                self.target = load_target(cfg.target, torch.device("cpu"), resolve_dtype(cfg.dtype, device),
+                                          cfg.tokenizer)
+            shard_model(self.target.model, 0, cfg.tensor_parallel)
+            self.target.model.to(device)
+            engine = Engine(cfg, self.target, self.attention, self.leader)
+            self.leader.ready()
+        except BaseException:
+            self.leader.stop()
+            self.leader = None
+            raise
+        return engine
+
+    def _lose(self, why: str) -> None:
+        """The server cannot verify any more: NOT_SERVING at once, and whoever runs it is told."""
+        self.lost = why
+        for name in ("", SERVICE):
+            asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        if self.on_lost is not None:
+            self.on_lost(why)
 
     def reload_credentials(self) -> None:
         """Read auth_tokens_file again (SIGHUP): revoked devices are refused at their next Open."""
@@ -119,6 +162,8 @@ class VerifyServer:
         await self.server.stop(grace)
         if self.engine is not None:
             self.engine.stop()
+        if self.leader is not None:
+            await self._on_torch_thread(self.leader.stop)
         self._torch.shutdown(wait=False)
 
 
@@ -130,6 +175,7 @@ async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
         torch.set_num_threads(config.threads)
     server = VerifyServer(config, attention=attention)
     stop = asyncio.Event()
+    server.on_lost = lambda why: stop.set()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -149,4 +195,6 @@ async def serve(config: ServerConfig, attention: str = "sdpa") -> None:
     else:
         loader.cancel()
     log.info("shutting down: NOT_SERVING, %gs for the sessions under way", config.drain_s)
-    await server.stop(grace=config.drain_s)
+    await server.stop(grace=0 if server.lost else config.drain_s)
+    if server.lost:
+        raise ServerLost(server.lost)
