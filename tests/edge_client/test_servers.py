@@ -1,5 +1,7 @@
 """A device's list of verify servers: parsing, its own stable order of them, the YAML and CLI forms."""
 
+import asyncio
+
 import pytest
 
 from edge_client.config import load_edge_config
@@ -42,10 +44,17 @@ def test_each_device_has_its_own_stable_order_and_a_lost_server_moves_only_its_d
 
 
 def test_one_server_is_a_plain_client_and_several_a_pool():
-    assert isinstance(connect("127.0.0.1:50051"), VerifierClient)
-    pool = connect("127.0.0.1:1,127.0.0.1:2", affinity="x")
+    async def kinds():  # grpc.aio channels are made inside the event loop that uses them
+        clients = [connect("127.0.0.1:50051"), connect("127.0.0.1:1,127.0.0.1:2", affinity="x"),
+                   connect("dns:///localhost:50051")]
+        for client in clients:
+            await client.close()
+        return clients
+
+    one, pool, named = asyncio.run(kinds())
+    assert isinstance(one, VerifierClient)
     assert isinstance(pool, ServerPool) and pool.affinity == "x"
-    assert isinstance(connect("dns:///localhost:50051"), ServerPool)
+    assert isinstance(named, ServerPool)
 
 
 def test_the_yaml_takes_a_list_of_servers(tmp_path):
