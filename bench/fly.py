@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fly-entropy-threshold", type=float, default=0.3, help="FLy's gate in nats (default 0.3)")
     p.add_argument("--test-timeout", type=positive(float), default=10.0,
                    help="seconds a completion's tests may run (default 10)")
+    p.add_argument("--draft-model", metavar="GGUF",
+                   help="the drafter's GGUF (default SmolLM2 Q4_1, nearly the target itself; a weaker one, e.g. "
+                        "scripts/requantize_gguf.py --type q2_k, leaves FLy more to do); its section is its own")
     p.add_argument("--json", metavar="FILE", help="also write every item's rows and the summary as JSON")
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     return p
@@ -223,9 +226,10 @@ def main(args) -> int:
     tokenizer = Tokenizer()
     target = load_target(None, torch.device("cpu"), torch.float32)  # the log-likelihoods, in this process
     rows = []
+    options = DrafterOptions(model_path=args.draft_model, threads=1)
     drafters = {"target": create_drafter("none", DrafterOptions()),
-                "exact": create_drafter("llama-cpp", DrafterOptions(threads=1)),
-                "fly": create_drafter("llama-cpp", DrafterOptions(threads=1))}
+                "exact": create_drafter("llama-cpp", options),
+                "fly": create_drafter("llama-cpp", options)}
     try:
         with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
             for i, problem in enumerate(items):
@@ -261,14 +265,17 @@ def main(args) -> int:
             d.close()
     table, sums = report(rows, args, len(items))
     print("\n" + table)
+    marker = (MARKER.replace("## FLy:", f"## FLy with drafter {Path(args.draft_model).name}:") if args.draft_model
+              else MARKER)
+    drafter = Path(args.draft_model).name if args.draft_model else "SmolLM2 Q4_1"
     section = (
-        f"{MARKER}\n\n`sled-bench fly {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{marker}\n\n`sled-bench fly {' '.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
-        f"- target SmolLM2-135M-Instruct (float32, torch), drafter SmolLM2 Q4_1 (llama.cpp, 1 thread); HumanEval's "
+        f"- target SmolLM2-135M-Instruct (float32, torch), drafter {drafter} (llama.cpp, 1 thread); HumanEval's "
         f"first {len(items)} problems, the raw prompt, greedy, at most {args.max_tokens} tokens, cut at HumanEval's "
         f"stop sequences; tests run in a sandboxed subprocess ({args.test_timeout:g} s); one device, items one after "
         "another\n- mean acceptance length = 1 + accepted / rounds; verifications / token = rounds / committed "
         "tokens; target tokens / token = (drafted + rounds) / committed tokens; mean log-likelihood: the target's, "
         "per token of each mode's cut completions\n\n" + table + "\n")
-    publish(args.markdown, MARKER, section, args.json, {"summary": sums, "items": rows})
+    publish(args.markdown, marker, section, args.json, {"summary": sums, "items": rows})
     return 0
