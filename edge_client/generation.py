@@ -96,7 +96,7 @@ class _Generation:
                            server=getattr(self.session, "server", None))
         self.opens += 1
         self.controller.cap(self.session.opened.max_draft_tokens)
-        if self.session.opened.fly_window:  # FLy defers a mismatch only with its W - 1 next tokens drafted too
+        if self.session.opened.fly_window:  # FLy keeps a mismatch only before a draft's last W tokens
             self.controller.at_least(self.session.opened.fly_window + 1)
 
     async def open_drafting(self) -> None:

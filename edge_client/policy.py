@@ -24,7 +24,7 @@ class DraftLength(Protocol):
         """No draft longer than the server takes."""
 
     def at_least(self, k: int) -> None:
-        """No draft shorter than k where that is possible (FLy defers a mismatch only with its next W - 1 tokens drafted)."""
+        """No draft shorter than k where that is possible (FLy keeps a mismatch only before a draft's last W tokens)."""
 
     def observe(self, sample: RoundSample) -> None:
         """A round's verdict, what was drafted and how long it all took."""

@@ -51,10 +51,10 @@ class Verification:
 
 
 def top3_entropy(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
-    """Entropy (nats) of the target's three most likely tokens, their probabilities renormalized: high where the
-    target hesitates between a few continuations."""
-    top = torch.softmax(logits.float().topk(3, dim=-1).values, dim=-1)
-    return -(top * top.clamp_min(1e-30).log()).sum(-1)
+    """-sum p log p over the target's three most likely tokens, p from its full softmax (FLy's reference code, not
+    renormalized over the three): high where the target hesitates between a few continuations."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(3, dim=-1).values
+    return -(top.exp() * top).sum(-1)
 
 
 def loose_accept(
@@ -67,16 +67,16 @@ def loose_accept(
 ) -> torch.Tensor:  # [batch, max_k] bool, accepted loosely
     """FLy (Li et al., arXiv 2511.22972): a mismatch is accepted where the target is unsure there (entropy at least
     the threshold), the draft token is possible for it, and the target agrees with the draft on each of the next
-    W - 1 positions, a variant the target corrects around. A mismatch in a draft's last W - 1 positions, with nothing
-    to defer to, stays a rejection."""
+    W - 1 positions, a variant the target corrects around. A mismatch in a draft's last W positions stays a
+    rejection, as in the paper's code."""
     max_k = match.shape[1]
     pos = torch.arange(max_k, device=match.device)
     ahead = (window - 1).clamp_min(0)[:, None]  # [batch, 1] positions the window must see matched
     csum = torch.nn.functional.pad(match.long().cumsum(-1), (1, 0))  # [batch, max_k + 1], csum[:, i] = matches before i
     last = (pos[None, :] + ahead).clamp_max(max_k - 1)
     agreed = csum.gather(1, last + 1) - csum[:, 1:]  # matches at positions pos + 1 .. pos + W - 1
-    inside = pos[None, :] + ahead < num_draft[:, None]
-    return ((window[:, None] > 0) & ~match & possible & (entropy >= threshold[:, None]) & inside
+    before_last_w = pos[None, :] + window[:, None] < num_draft[:, None]
+    return ((window[:, None] > 0) & ~match & possible & (entropy >= threshold[:, None]) & before_last_w
             & (agreed == ahead))
 
 

@@ -50,8 +50,8 @@ def fly_from_pb(msg: pb.Open, sampling: SamplingParams, config) -> Fly | None:
                       "exactly")
     window = msg.fly_window or config.fly_window
     threshold = msg.fly_entropy_threshold or config.fly_entropy_threshold
-    if not 1 <= window <= config.max_draft_tokens:
-        raise invalid(f"fly_window must be in 1..{config.max_draft_tokens} (max_draft_tokens), got {window}")
+    if not 1 <= window < config.max_draft_tokens:  # a mismatch needs more than W draft tokens to be kept
+        raise invalid(f"fly_window must be in 1..{config.max_draft_tokens - 1} (below max_draft_tokens), got {window}")
     if not 0 <= threshold < 10:
         raise invalid(f"fly_entropy_threshold must be in [0, 10), got {threshold}")
     return Fly(window, threshold)

@@ -95,8 +95,8 @@ class ServerConfig:
             raise ValueError("verification fly as the default needs allow_fly")
         if self.fly_window < 1:  # the upper bound, max_draft_tokens, is checked per session at Open
             raise ValueError(f"fly_window must be positive, got {self.fly_window}")
-        if self.verification == "fly" and self.fly_window > self.max_draft_tokens:
-            raise ValueError(f"fly_window ({self.fly_window}) must be at most max_draft_tokens ({self.max_draft_tokens})")
+        if self.verification == "fly" and self.fly_window >= self.max_draft_tokens:
+            raise ValueError(f"fly_window ({self.fly_window}) must be below max_draft_tokens ({self.max_draft_tokens})")
         if not 0 <= self.fly_entropy_threshold < 10:  # also refuses NaN; ln 3 is the most three tokens can have
             raise ValueError(f"fly_entropy_threshold must be in [0, 10), got {self.fly_entropy_threshold!r}")
         if self.max_sessions_per_device < 0:

@@ -35,12 +35,13 @@ def greedy_after(tiny, ids: list[int], n: int) -> tuple[list[int], float]:
 
 
 def variant_draft(tiny, window: int) -> tuple[list[int], list[int]]:
-    """A draft whose first token differs from the target's choice and whose next window - 1 tokens are the target's
-    own after that variant: the case FLy defers. Returns (the target's greedy first token, the draft)."""
+    """A draft whose first token differs from the target's choice and whose next window tokens are the target's own
+    after that variant (W - 1 to agree on, and one more: a mismatch in a draft's last W positions stays a rejection):
+    the case FLy defers. Returns (the target's greedy first token, the draft)."""
     (want,), entropy = greedy_after(tiny, PROMPT, 1)
     assert entropy < 0.3  # the random target is sure there: the default gate (0.3) keeps it exact, 0 opens it
     variant = (want + 7) % 1000
-    rest, _ = greedy_after(tiny, PROMPT + [variant], window - 1)
+    rest, _ = greedy_after(tiny, PROMPT + [variant], window)
     return want, [variant] + rest
 
 
@@ -69,7 +70,7 @@ def test_a_fly_session_keeps_a_variant_the_target_corrects_around_and_an_exact_o
 
     opened, fly, _, _ = run(one_round(server.address, tiny, draft, verification=pb.VERIFICATION_FLY, fly_window=3))
     assert (opened.fly_window, opened.verification) == (3, pb.VERIFICATION_FLY)
-    assert (fly.n_accepted, fly.n_loose) == (3, 1)  # the variant and the two tokens the target agrees on after it
+    assert (fly.n_accepted, fly.n_loose) == (4, 1)  # the variant and the three tokens the target agrees on after it
     assert fly.next_token == greedy_after(tiny, PROMPT + draft, 1)[0][0]  # the bonus token follows the variant
     assert server.engine.stats()["loosely_accepted_tokens"] == 1
 
@@ -115,7 +116,7 @@ class Scripted:
 def test_the_device_asks_for_fly_and_counts_what_was_accepted_loosely(make_tiny_server, tiny, tokenizer):
     server = make_tiny_server(fly_entropy_threshold=0.0)
     want, draft = variant_draft(tiny, 3)
-    fly = DraftPolicy(draft_tokens=3, adaptive=False, verification="fly", fly_window=3)
+    fly = DraftPolicy(draft_tokens=4, adaptive=False, verification="fly", fly_window=3)
 
     async def go(policy, sampling=SamplingParams()):
         client = VerifierClient(server.address)
@@ -126,8 +127,8 @@ def test_the_device_asks_for_fly_and_counts_what_was_accepted_loosely(make_tiny_
             await client.close()
 
     loose = asyncio.run(go(fly))
-    exact = asyncio.run(go(DraftPolicy(draft_tokens=3, adaptive=False)))
-    assert loose.token_ids[:3] == draft and loose.loosely_accepted_tokens == 1
+    exact = asyncio.run(go(DraftPolicy(draft_tokens=4, adaptive=False)))
+    assert loose.token_ids[:4] == draft and loose.loosely_accepted_tokens == 1
     assert loose.stats()["loosely_accepted_tokens"] == 1
     assert exact.token_ids[0] == want and exact.loosely_accepted_tokens == 0
     with pytest.raises(ValueError, match="greedy"):

@@ -38,7 +38,10 @@ def verify(draft: list[int], rows: list[torch.Tensor], window: int = 3, threshol
 
 def test_entropy_of_the_top_three():
     assert top3_entropy(row(1, SURE)[None]).item() < 0.01
-    assert abs(top3_entropy(row(1, UNSURE)[None]).item() - math.log(3)) < 0.01
+    p = torch.softmax(row(1, UNSURE), -1).topk(3).values
+    assert abs(top3_entropy(row(1, UNSURE)[None]).item() - float(-(p * p.log()).sum())) < 1e-5
+    # p from the full softmax, not renormalized over the three: a flat row of 12 gives 3 * ln(12) / 12, not ln 3
+    assert abs(top3_entropy(torch.zeros(1, V)).item() - 3 * math.log(V) / V) < 1e-5
 
 
 def test_an_unsure_mismatch_the_target_agrees_around_is_accepted_loosely():
@@ -60,11 +63,15 @@ def test_a_mismatch_the_target_does_not_correct_around_is_rejected():
     assert verify([5, 7, 8, 9], [row(6, UNSURE), row(3), row(8), row(9), row(10)]) == (0, 6, 0)
 
 
-def test_a_window_cut_by_the_draft_s_end_is_rejected():
+def test_a_mismatch_in_the_draft_s_last_w_positions_is_rejected():
     # the mismatch at the third of four tokens has one token after it, W - 1 = 2 needed
     assert verify([1, 2, 5, 9], [row(1), row(2), row(6, UNSURE), row(9), row(10)]) == (2, 6, 0)
-    # with W = 2 one agreeing token is enough
-    assert verify([1, 2, 5, 9], [row(1), row(2), row(6, UNSURE), row(9), row(10)], window=2) == (4, 10, 1)
+    # with W = 2 its one agreeing token would do, but it lies in the last W positions: kept out, as in the paper
+    assert verify([1, 2, 5, 9], [row(1), row(2), row(6, UNSURE), row(9), row(10)], window=2) == (2, 6, 0)
+    # one position earlier it is accepted
+    assert verify([1, 5, 8, 9], [row(1), row(6, UNSURE), row(8), row(9), row(10)], window=2) == (4, 10, 1)
+    # a draft of exactly W tokens: its window fits, but the mismatch is in the last W positions
+    assert verify([5, 7, 8], [row(6, UNSURE), row(7), row(8), row(9)]) == (0, 6, 0)
 
 
 def test_a_draft_token_the_target_gives_no_probability_is_rejected():

@@ -105,7 +105,7 @@ def test_fly_is_asked_per_session_with_the_server_s_defaults_and_its_limits():
     for fields, config, code, needle in (
             (dict(temperature=0.7), CONFIG, "INVALID_ARGUMENT", "greedy sessions (temperature 0) only"),
             (dict(), ServerConfig(max_seq_len=64, allow_fly=False), "FAILED_PRECONDITION", "does not allow FLy"),
-            (dict(fly_window=17), CONFIG, "INVALID_ARGUMENT", "fly_window must be in 1..16")):
+            (dict(fly_window=16), CONFIG, "INVALID_ARGUMENT", "fly_window must be in 1..15")):
         with pytest.raises(SledError) as err:
             fly(config, verification=pb.VERIFICATION_FLY, **fields)
         assert err.value.code == code and needle in err.value.message

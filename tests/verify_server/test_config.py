@@ -34,7 +34,7 @@ def test_server_section_is_accepted(tmp_path):
     ("verification: loose\n", "verification must be exact or fly"),
     ("verification: fly\nallow_fly: false\n", "verification fly as the default needs allow_fly"),
     ("fly_window: 0\n", "fly_window must be positive"),
-    ("verification: fly\nmax_draft_tokens: 4\n", "fly_window (6) must be at most max_draft_tokens (4)"),
+    ("verification: fly\nmax_draft_tokens: 4\n", "fly_window (6) must be below max_draft_tokens (4)"),
     ("fly_entropy_threshold: .nan\n", "fly_entropy_threshold must be in [0, 10)"),
     ("target: random:llama-3b\n", "random target must be random:NAME (llama-1b, llama-8b, llama-tiny)"),
     ("target: random:/nowhere/shape.json\n", "random target config /nowhere/shape.json does not exist"),
