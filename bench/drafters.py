@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -75,7 +77,9 @@ async def run_set(address, tokenizer, drafter, prompts, max_tokens, k):
     accepted = sum(r.accepted_tokens for r in rows)
     rounds = sum(r.rounds for r in rows)
     tokens = sum(len(r.token_ids) for r in rows)
-    return {"acceptance_rate": accepted / drafted if drafted else 0.0,
+    checks = {"checks": drafter.checks, "guessed": drafter.guessed, "kept": drafter.kept} if hasattr(
+        drafter, "checks") else {}  # a stacked drafter's lifetime counts: this set's, as it serves one set
+    return checks | {"acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
             "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
             "tokens_per_s": tokens / sum(r.elapsed_s for r in rows)}
@@ -90,6 +94,36 @@ def tool(script: str, *args: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"scripts/{script} failed: {done.stderr.strip()[-2000:]}")
+
+
+def check_cost(options: DrafterOptions, n: int, reps: int = 15) -> float:
+    """What one forward of n guesses costs the llama.cpp drafter on this host, in its own one-token steps (medians
+    of `reps`): the most a stacked drafter's check can save is n - this, when every guess is kept."""
+    d = create_drafter("llama-cpp", options)
+    try:
+        d._feed(list(range(100, 400)))  # any 300-token context
+        base, guesses = len(d._evaluated), list(range(500, 500 + n))
+
+        def timed(run) -> float:
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+                d._truncate(base)
+                del d._evaluated[base:]
+            return statistics.median(times)
+
+        step = timed(lambda: d._feed(guesses[:1]))
+        return timed(lambda: d._eval_rows(guesses)) / step
+    finally:
+        d.close()
+
+
+def stack_ceiling(k: int, cost: float) -> float:
+    """The drafting time a round of K tokens takes stacked with every guess kept, against the model alone's: one
+    step for the round's first token, then the check of K - 1 guesses, against K steps."""
+    return (1 + cost) / k
 
 
 def stack_goals(rows: list[dict]) -> str:
@@ -150,6 +184,9 @@ def main(args) -> int:
     except RuntimeError as err:  # a tool refused (an unknown --requantized type) or failed
         print(f"sled-bench drafters: {err}", file=sys.stderr)
         return 2
+    cost = check_cost(DrafterOptions(threads=1), args.draft_tokens - 1)
+    print(f"[bench] llama.cpp Q4_1: a forward of {args.draft_tokens - 1} guesses costs {cost:.2f} one-token steps here",
+          flush=True)
     rows = []
     try:
         with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
@@ -174,7 +211,14 @@ def main(args) -> int:
     for r in rows:
         lines.append(f"| {r['drafter']} | {r['text']} | {r['acceptance_rate']:.2f} | {r['mean_acceptance_length']:.2f} "
                      f"| {r['draft_tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} |")
-    table = "\n".join(lines) + "\n\n" + stack_goals(rows)
+    checked = [f"- {r['drafter']}, {r['text']}: {r['checks']} checks of {r['guessed']} guesses kept {r['kept']}"
+               for r in rows if "checks" in r]
+    k = args.draft_tokens
+    table = "\n".join(lines) + "\n\n" + stack_goals(rows) + "\n" + "\n".join(checked) + (
+        f"\n- on this host a llama.cpp Q4_1 forward of {k - 1} guesses costs {cost:.2f} of its one-token steps, so "
+        f"a stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
+        f"drafting time: device tok/s can gain at most {1 / stack_ceiling(k, cost):.2f}x here, before any "
+        "verification time")
     print("\n" + table)
     section = (
         f"{MARKER}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "

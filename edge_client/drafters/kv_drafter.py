@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +44,9 @@ class KVDrafter:
         self.sampling = SamplingParams()
         self.rng = np.random.default_rng()
         self.guesses_kept = 0  # of the last propose's guesses, those kept
+        # seconds: a one-token step (an exponential mean, None until one is timed) and the last guesses' check
+        self.step_s: float | None = None
+        self.check_s = 0.0
 
     def _eval(self, tokens: list[int]) -> np.ndarray:  # [vocab] logits after the last token
         raise NotImplementedError
@@ -71,8 +75,12 @@ class KVDrafter:
             self._logits = None
 
     def _feed(self, tokens: list[int]) -> None:
+        start = time.perf_counter()
         self._logits = self._eval(tokens)
         self._evaluated.extend(tokens)
+        if len(tokens) == 1:  # what a kept guess saves, for a stacked drafter's gate
+            took = time.perf_counter() - start
+            self.step_s = took if self.step_s is None else 0.9 * self.step_s + 0.1 * took
 
     def _sync(self, context: list[int]) -> None:
         keep = common_prefix(self._evaluated, context)
@@ -97,7 +105,9 @@ class KVDrafter:
         guesses = list(guesses[:k - 1])
         rows = [self._logits]
         if guesses:
+            start = time.perf_counter()
             rows.extend(self._eval_rows(guesses))  # the distributions after each guess, one forward
+            self.check_s = time.perf_counter() - start
             self._evaluated.extend(guesses)
             self._logits = rows[-1]
         self.guesses_kept = 0

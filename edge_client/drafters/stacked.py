@@ -2,13 +2,15 @@
 
 The proposer's guesses (prompt lookup or Cacheback) are checked by the model in one forward and kept by the
 standard rejection rule against the model's own distribution (KVDrafter.propose's `guesses`), so the tokens and
-the q sent are exactly the model's and the server's verification stays lossless. It pays where a forward of
-several tokens costs little more than one (a memory-bound device) and the proposer is often right; a GuessGate
-turns the proposer off where its guesses are not kept often enough to pay for their checks.
+the q sent are exactly the model's and the server's verification stays lossless. A kept guess saves one of the
+model's sequential steps; the check costs a forward of the guesses. It pays where that forward costs little more
+than one step (a memory-bound device) and the proposer is often right; a GuessGate measures both on the device and
+turns the proposer off where its checks do not pay.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,15 +21,19 @@ from .base import Proposal
 
 @dataclass
 class GuessGate:
-    """Whether the proposer's guesses are worth checking: over the last `window` checks, the guesses kept must
-    average at least `min_kept` a check (each kept guess is a sequential model step saved; a check that keeps none
-    costs its forward). Once off, the proposer rests for `rest` drafts, then is tried again."""
+    """Whether, and how many of, the proposer's guesses are worth checking. A check saves one model step (`step_s`,
+    measured) for each guess kept and costs its forward (`check_s`, measured): over the last `window` checks the
+    seconds saved must stay above zero. Once they do not, the proposer rests for `rest` drafts (twice as long after
+    each rest that did not help, up to `max_rest`), then is tried again. A check takes one guess more than were kept
+    lately (`budget`), so a proposer right for a few tokens is not charged for its longer runs of guesses."""
 
-    min_kept: float = 1.0
     window: int = 16
     rest: int = 64
-    _kept: deque = field(default_factory=deque)
+    max_rest: int = 1024
+    _saved: deque = field(default_factory=deque)  # seconds each recent check saved (negative: lost)
+    _kept_mean: float | None = None  # recent guesses kept a check, an exponential mean
     _resting: int = 0
+    _next_rest: int = 0
 
     def allows(self) -> bool:
         if self._resting:
@@ -35,13 +41,28 @@ class GuessGate:
             return False
         return True
 
-    def record(self, kept: int) -> None:
-        self._kept.append(kept)
-        if len(self._kept) > self.window:
-            self._kept.popleft()
-        if len(self._kept) == self.window and sum(self._kept) < self.min_kept * self.window:
-            self._resting = self.rest
-            self._kept.clear()
+    def budget(self, k: int) -> int:
+        """How many guesses a draft of k tokens checks (at most k - 1: the first token needs no guess)."""
+        if self._kept_mean is None:
+            return k - 1
+        return max(1, min(k - 1, math.ceil(self._kept_mean) + 1))
+
+    def record(self, kept: int, check_s: float, step_s: float | None) -> None:
+        """A check's outcome: guesses kept, the check's forward time and the model's single step time (None before
+        any single step was timed, when the saving is not known yet)."""
+        self._kept_mean = kept if self._kept_mean is None else 0.7 * self._kept_mean + 0.3 * kept
+        if step_s is None:
+            return
+        self._saved.append(kept * step_s - check_s)
+        if len(self._saved) > self.window:
+            self._saved.popleft()
+        if len(self._saved) == self.window:
+            if sum(self._saved) <= 0.0:
+                self._resting = self._next_rest = min(max(self._next_rest * 2, self.rest), self.max_rest)
+                self._saved.clear()
+                self._kept_mean = None
+            else:
+                self._next_rest = 0  # paying again: the next rest starts short
 
 
 class StackedDrafter:
@@ -58,11 +79,11 @@ class StackedDrafter:
         self.model.begin(context, sampling)
 
     def propose(self, context: list[int], k: int, stop=None) -> Proposal:
-        guesses = self.proposer.propose(context, k - 1).token_ids if k > 1 and self.gate.allows() else []
+        guesses = self.proposer.propose(context, self.gate.budget(k)).token_ids if k > 1 and self.gate.allows() else []
         proposal = self.model.propose(context, k, stop, guesses=guesses)
         if guesses:
             kept = self.model.guesses_kept
-            self.gate.record(kept)
+            self.gate.record(kept, self.model.check_s, self.model.step_s)
             self.checks, self.guessed, self.kept = self.checks + 1, self.guessed + len(guesses), self.kept + kept
         return proposal
 

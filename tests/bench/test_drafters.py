@@ -1,6 +1,6 @@
 """sled-bench drafters: the stacked drafters' ratios to the model alone, text set by text set."""
 
-from bench.drafters import stack_goals
+from bench.drafters import stack_ceiling, stack_goals
 
 
 def test_stacked_rows_are_read_against_the_model_alone():
@@ -14,3 +14,9 @@ def test_stacked_rows_are_read_against_the_model_alone():
                                  "repetitive 1.20x, edit 1.40x, free 0.95x (goals: edit at least 1.3x, free at least "
                                  "0.95x)")
 
+
+
+def test_the_stacking_ceiling_counts_the_first_step_and_the_check():
+    # K = 4: one step, then 3 guesses checked for the cost of 2.4 steps, against 4 steps alone
+    assert abs(stack_ceiling(4, 2.4) - 0.85) < 1e-12
+    assert stack_ceiling(4, 1.0) == 0.5  # a check that costs one step: twice as fast at best

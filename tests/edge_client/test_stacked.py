@@ -103,7 +103,7 @@ def test_sampled_stacked_tokens_follow_the_model_s_distribution_and_carry_its_q(
     counts = np.zeros((V, V))
     model = PairModel()
     for seed in range(6000):
-        stacked = StackedDrafter(Guesser(guesses), model, gate=GuessGate(min_kept=0.0))
+        stacked = StackedDrafter(Guesser(guesses), model)
         stacked.begin([1, 2], SamplingParams(temperature=1.0, seed=seed))
         p = stacked.propose([1, 2], 3)
         counts[p.token_ids[0], p.token_ids[1]] += 1
@@ -120,24 +120,53 @@ def test_sampled_stacked_tokens_follow_the_model_s_distribution_and_carry_its_q(
     assert abs(counts[3].sum() / 6000 - first[3]) < 0.03 and first[3] > 0.05
 
 
-def test_the_gate_rests_a_proposer_whose_guesses_are_not_kept_and_tries_it_again():
-    gate = GuessGate(min_kept=1.0, window=4, rest=3)
-    for kept in (0, 1, 0):
-        assert gate.allows()
-        gate.record(kept)
-    assert gate.allows()
-    gate.record(0)  # 1 kept in 4 checks, under 1 a check
-    assert [gate.allows() for _ in range(4)] == [False, False, False, True]
+def test_the_gate_keeps_checks_that_save_model_steps_and_rests_those_that_do_not():
+    # the same guesses kept, one a check: where a check costs a fraction of a step (a memory-bound device) it pays
+    cheap = GuessGate(window=4, rest=3)
+    for _ in range(20):
+        assert cheap.allows()
+        cheap.record(kept=1, check_s=0.2, step_s=1.0)
+    # where a check of its guesses costs more than the step it saves (a compute-bound CPU) it rests, then tries again
+    dear = GuessGate(window=4, rest=3)
+    for _ in range(3):
+        assert dear.allows()
+        dear.record(kept=1, check_s=1.5, step_s=1.0)
+    assert dear.allows()
+    dear.record(kept=1, check_s=1.5, step_s=1.0)  # the fourth check fills the window: 2 seconds lost
+    assert [dear.allows() for _ in range(4)] == [False, False, False, True]
     for _ in range(4):
-        gate.record(2)
-    assert gate.allows()
+        dear.record(kept=0, check_s=1.0, step_s=1.0)
+    assert [dear.allows() for _ in range(7)] == [False] * 6 + [True]  # a rest that did not help: twice as long
+    for _ in range(4):
+        dear.record(kept=3, check_s=1.0, step_s=1.0)  # paying again
+    assert dear.allows()
+    # before any model step was timed the saving is unknown: nothing is judged
+    unknown = GuessGate(window=2, rest=3)
+    for _ in range(5):
+        unknown.record(kept=0, check_s=1.0, step_s=None)
+        assert unknown.allows()
 
+
+def test_the_gate_checks_one_guess_more_than_were_kept_lately():
+    gate = GuessGate()
+    assert gate.budget(8) == 7  # nothing known yet: every guess
+    for _ in range(5):
+        gate.record(kept=0, check_s=0.1, step_s=1.0)
+    assert gate.budget(8) == 1
+    for _ in range(20):
+        gate.record(kept=7, check_s=0.1, step_s=1.0)
+    assert gate.budget(8) == 7 and gate.budget(4) == 3
+
+
+def test_a_stacked_drafter_rests_a_proposer_that_is_never_right():
     model = PairModel()
     stacked = StackedDrafter(Guesser([(t + 1) % V for t in range(4)]), model, gate=GuessGate(window=4, rest=100))
     stacked.begin([1, 2], SamplingParams())
     for _ in range(10):
         stacked.propose([1, 2], 5)
+    assert model.step_s is not None and model.check_s > 0  # the gate's costs were timed on the model
     assert stacked.checks <= 5  # at most 4 checks before it rests (5 if the first guess happened to be right)
+    assert stacked.guessed < 4 * stacked.checks  # after a miss, one guess a check rather than four
 
 
 def test_stack_names():
