@@ -3,7 +3,8 @@
 For each drafter and text set, the prompts run one after another (one device), greedy, and the
 figures are acceptance rate (accepted / drafted), mean acceptance length (1 + accepted / rounds) and
 device tokens/s. One drafter instance serves a whole set, so Cacheback's tables warm up across the
-set's prompts, as on a device that keeps running. Writes its section of docs/benchmarks.md.
+set's prompts, as on a device that keeps running. Every drafter and set runs --repeats times, interleaved, and
+the run of median speed is shown. Writes its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ def tool(script: str, *args: str) -> None:
         raise RuntimeError(f"scripts/{script} failed: {done.stderr.strip()[-2000:]}")
 
 
+def median_run(name: str, label: str, done: list[dict]) -> dict:
+    """One row of a drafter and set: the run of median device tok/s (greedy runs draft alike, so only speed
+    varies), with every run's tok/s."""
+    ranked = sorted(done, key=lambda r: r["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {"drafter": name, "text": label,
+                                             "runs_tokens_per_s": [r["tokens_per_s"] for r in done]}
+
+
 def check_cost(options: DrafterOptions, n: int, reps: int = 15) -> float:
     """What one forward of n guesses costs the llama.cpp drafter on this host, in its own one-token steps (medians
     of `reps`): the most a stacked drafter's check can save is n - this, when every guess is kept."""
@@ -143,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=positive(int), default=96, help="tokens per prompt (default 96)")
     p.add_argument("--draft-tokens", type=positive(int), default=4, help="K (default 4)")
+    p.add_argument("--repeats", type=positive(int), default=3,
+                   help="runs of every drafter and set, interleaved; the table has each one's median (default 3)")
     p.add_argument("--onnx-model", help="ONNX draft to use (default: export the full model, int8, to a temp dir)")
     p.add_argument("--requantized", default="q2_k", metavar="TYPES",
                    help="comma-separated quantizations the Q4_1 drafter is requantized to, one row each, e.g. "
@@ -187,25 +198,27 @@ def main(args) -> int:
     cost = check_cost(DrafterOptions(threads=1), args.draft_tokens - 1)
     print(f"[bench] llama.cpp Q4_1: a forward of {args.draft_tokens - 1} guesses costs {cost:.2f} one-token steps here",
           flush=True)
-    rows = []
+    runs: dict[tuple[str, str], list[dict]] = {}
     try:
         with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
             tokenizer = Tokenizer()
-            for name, (kind, opts) in compared.items():
-                for label, prompts in (("repetitive", REPETITIVE), ("edit", EDIT), ("free", FREE)):
-                    print(f"[bench] {name}, {label} text ...", end=" ", flush=True)
-                    d = create_drafter(kind, opts)
-                    try:
-                        row = asyncio.run(run_set(address, tokenizer, d, prompts, args.max_tokens, args.draft_tokens))
-                    finally:
-                        d.close()
-                    row.update(drafter=name, text=label)
-                    rows.append(row)
-                    print(f"acceptance {row['acceptance_rate']:.2f}, mean length {row['mean_acceptance_length']:.2f}",
-                          flush=True)
+            for repeat in range(args.repeats):  # every drafter once a repeat, so a slow spell of the host hits all
+                for name, (kind, opts) in compared.items():
+                    for label, prompts in (("repetitive", REPETITIVE), ("edit", EDIT), ("free", FREE)):
+                        print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text ...", end=" ",
+                              flush=True)
+                        d = create_drafter(kind, opts)
+                        try:
+                            row = asyncio.run(run_set(address, tokenizer, d, prompts, args.max_tokens,
+                                                      args.draft_tokens))
+                        finally:
+                            d.close()
+                        runs.setdefault((name, label), []).append(row)
+                        print(f"acceptance {row['acceptance_rate']:.2f}, {row['tokens_per_s']:.1f} tok/s", flush=True)
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1
+    rows = [median_run(name, label, done) for (name, label), done in runs.items()]
     lines = ["| drafter | text | acceptance | mean accept. length | drafted / round | device tok/s |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -226,7 +239,8 @@ def main(args) -> int:
         f"- target: SmolLM2-135M-Instruct (float32, torch); greedy; K = {args.draft_tokens}; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
         f"whose answers repeat their input (renames, fixes, extraction) and {len(FREE)} free questions, chat "
-        "template; one device, prompts one after another, one drafter instance a set\n"
+        f"template; one device, prompts one after another, one drafter instance a set; {args.repeats} runs of each, "
+        "interleaved, and the run of median device tok/s shown\n"
         "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
         "propose nothing when they find no match, so their drafted / round is below K\n\n"
         + table + "\n")
