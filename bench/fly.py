@@ -174,8 +174,10 @@ def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
     points = 100 * (by["fly"]["pass_at_1"] - by["target"]["pass_at_1"])
     ll_change = (by["fly"]["mean_log_likelihood"] - by["target"]["mean_log_likelihood"]) / abs(
         by["target"]["mean_log_likelihood"])
-    goals = [f"- mean acceptance length, FLy / exact: {gain:.2f}x (goal at least 1.25x); device tok/s FLy / exact: "
-             f"{by['fly']['tokens_per_s'] / by['exact']['tokens_per_s']:.2f}x"]
+    exact_length, k = by["exact"]["mean_acceptance_length"], args.draft_tokens
+    goals = [f"- mean acceptance length, FLy / exact: {gain:.2f}x (goal at least 1.25x; a round commits at most K + 1 "
+             f"= {k + 1} tokens, so no rule passes {(k + 1) / exact_length:.2f}x over exact's {exact_length:.2f} "
+             f"with this pair); device tok/s FLy / exact: {by['fly']['tokens_per_s'] / by['exact']['tokens_per_s']:.2f}x"]
     if by["target"]["pass_at_1"] < MEANINGFUL_SCORE:
         goals.append(f"- the target solves {100 * by['target']['pass_at_1']:.1f}% of the items: too few for a point "
                      f"of score to mean anything, so the goal is the target's mean log-likelihood of FLy's "

@@ -51,7 +51,8 @@ def test_the_report_reads_the_goals_off_the_summary():
     # scores of 50% and 40%: the score is the goal; FLy's length 1 + 30/10 = 4 against exact's 3: 1.33x
     all_rows = rows("target", 5, 0, 40, -0.5) + rows("exact", 5, 20, 10, -0.5) + rows("fly", 4, 30, 10, -0.51, 3, 2)
     text, sums = report(all_rows, args, 10)
-    assert "mean acceptance length, FLy / exact: 1.33x (goal at least 1.25x)" in text
+    assert ("mean acceptance length, FLy / exact: 1.33x (goal at least 1.25x; a round commits at most K + 1 = 9 "
+            "tokens, so no rule passes 3.00x over exact's 3.00 with this pair)") in text
     assert "score, FLy against the target: -10.0 points (goal within 1); mean log-likelihood -2.00%" in text
     assert "| FLy, K 8, W 6, 0.3 nats | 40.0% | 2 / 10 | 4.00 | 30 | 40.0 |" in text
     # a target that solves none: the log-likelihood is the goal
