@@ -15,6 +15,12 @@ import time
 from .drafters.base import Proposal
 
 
+def step_ahead(drafter, context: list[int], limit: int) -> Proposal:
+    """One step of drafting ahead: a token, or a stacked drafter's checked guesses (several from one forward)."""
+    stacked = getattr(drafter, "step_ahead", None)
+    return stacked(context, limit) if stacked else drafter.propose(context, 1)
+
+
 class DraftAhead:
     """The drafting-ahead state of one generation (`gen`: its context, drafter, controller and policy)."""
 
@@ -158,9 +164,12 @@ class DraftAhead:
         new = 0
         t0 = time.perf_counter()
         while not arrived.is_set() and len(ahead.token_ids) < limit:
-            step = gen.drafter.propose(base + ahead.token_ids, 1)
+            # the first token alone: it is the bonus guess a verdict answered at once needs shown soonest
+            step = step_ahead(gen.drafter, base + ahead.token_ids, limit - len(ahead.token_ids) if ahead.token_ids else 1)
             if not step.token_ids:
                 break
+            ends = [i for i, t in enumerate(step.token_ids) if t in gen.stop_ids]
+            step = step.cut(0, ends[0] + 1) if ends else step
             ahead = ahead.then(step)
             live[0] = ahead
             new += len(step.token_ids)

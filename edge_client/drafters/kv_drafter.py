@@ -44,9 +44,11 @@ class KVDrafter:
         self.sampling = SamplingParams()
         self.rng = np.random.default_rng()
         self.guesses_kept = 0  # of the last propose's guesses, those kept
-        # seconds: a one-token step (an exponential mean, None until one is timed) and the last guesses' check
+        # seconds: a one-token step (an exponential mean, None until one is timed) and the last guesses' check,
+        # whose forward also did the round's first step when the context had new tokens (check_replaced 1)
         self.step_s: float | None = None
         self.check_s = 0.0
+        self.check_replaced = 0
 
     def _eval(self, tokens: list[int]) -> np.ndarray:  # [vocab] logits after the last token
         raise NotImplementedError
@@ -82,33 +84,45 @@ class KVDrafter:
             took = time.perf_counter() - start
             self.step_s = took if self.step_s is None else 0.9 * self.step_s + 0.1 * took
 
-    def _sync(self, context: list[int]) -> None:
+    def _unsynced(self, context: list[int]) -> list[int]:
+        """The context's tokens the cache lacks, after rolling back what differs; the last token is always among
+        them unless the cache ends exactly there with its logits, so the next-token logits are fresh."""
         keep = common_prefix(self._evaluated, context)
         if keep == len(context) == len(self._evaluated) and self._logits is not None:
-            return
-        keep = min(keep, len(context) - 1)  # the last token is evaluated here to get fresh logits
+            return []
+        keep = min(keep, len(context) - 1)
         self.rollback(keep)
-        self._feed(context[keep:])
+        return context[keep:]
 
     def _eval_rows(self, tokens: list[int]) -> np.ndarray:  # [len(tokens), vocab] logits after each token
         """A model that computes every position's logits in one forward overrides this; here, one at a time."""
         return np.stack([self._eval([t]) for t in tokens])
 
-    def propose(self, context: list[int], k: int, stop=None, guesses: Sequence[int] = ()) -> Proposal:
+    def propose(self, context: list[int], k: int, stop=None, guesses: Sequence[int] = (),
+                upto_miss: bool = False) -> Proposal:
         """Up to k tokens drawn from this model. `guesses` (a model-free proposer's, taken as certain) are checked
         in one forward and each kept by the standard rejection rule against this model's distribution there, so
-        the tokens and the q sent are exactly this model's, guessed or not (hierarchical drafting)."""
+        the tokens and the q sent are exactly this model's, guessed or not (hierarchical drafting). `upto_miss`
+        ends the draft at the token drawn where a guess was not kept (drafting ahead wants no step beyond it)."""
         k = min(k, self.n_ctx - len(context) - 1)
         if k <= 0:
             return Proposal([])
-        self._sync(context)
-        guesses = list(guesses[:k - 1])
-        rows = [self._logits]
-        if guesses:
+        fresh, guesses = self._unsynced(context), list(guesses[:k - 1])
+        if not guesses:
+            if fresh:
+                self._feed(fresh)
+            rows = [self._logits]
+        else:  # one forward: the context's new tokens, then the guesses, each row the distribution after its token
+            if len(fresh) > 2:  # a prompt, not a verdict's last draft and bonus: fed apart, not timed as the check
+                self._feed(fresh[:-1])
+                fresh = fresh[-1:]
             start = time.perf_counter()
-            rows.extend(self._eval_rows(guesses))  # the distributions after each guess, one forward
+            rows = list(self._eval_rows(fresh + guesses))[max(len(fresh) - 1, 0):]
             self.check_s = time.perf_counter() - start
-            self._evaluated.extend(guesses)
+            self.check_replaced = 1 if fresh else 0
+            if not fresh:
+                rows.insert(0, self._logits)
+            self._evaluated.extend(fresh + guesses)
             self._logits = rows[-1]
         self.guesses_kept = 0
         s = self.sampling
@@ -141,6 +155,8 @@ class KVDrafter:
             elif guessed:
                 guesses = guesses[:i]  # the rest were guessed after a token not drawn: drop their cache entries
                 self.rollback(len(context) + i)
+                if upto_miss:
+                    break
             if x == self.eos or (stop is not None and not stop.more()):
                 break
             if i < k - 1 and i >= len(guesses):

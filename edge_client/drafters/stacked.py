@@ -3,8 +3,9 @@
 The proposer's guesses (prompt lookup or Cacheback) are checked by the model in one forward and kept by the
 standard rejection rule against the model's own distribution (KVDrafter.propose's `guesses`), so the tokens and
 the q sent are exactly the model's and the server's verification stays lossless. A kept guess saves one of the
-model's sequential steps; the check costs a forward of the guesses. It pays where that forward costs little more
-than one step (a memory-bound device) and the proposer is often right; a GuessGate measures both on the device and
+model's sequential steps; the check costs a forward of the guesses, which also evaluates the context's new tokens
+(the round's first step). It pays where that forward costs little more than one step (a memory-bound device: ONNX
+Runtime on a CPU, a GPU) and the proposer is often right; a GuessGate measures both on the device and
 turns the proposer off where its checks do not pay.
 """
 
@@ -22,8 +23,8 @@ from .base import Proposal
 @dataclass
 class GuessGate:
     """Whether, and how many of, the proposer's guesses are worth checking. A check saves one model step (`step_s`,
-    measured) for each guess kept and costs its forward (`check_s`, measured): over the last `window` checks the
-    seconds saved must stay above zero. Once they do not, the proposer rests for `rest` drafts (twice as long after
+    measured) for each guess kept, and one more where its forward also did the round's first step (`replaced`), and
+    costs its forward (`check_s`, measured): over the last `window` checks the seconds saved must stay above zero. Once they do not, the proposer rests for `rest` drafts (twice as long after
     each rest that did not help, up to `max_rest`), then is tried again. A check takes one guess more than were kept
     lately (`budget`), so a proposer right for a few tokens is not charged for its longer runs of guesses."""
 
@@ -47,13 +48,13 @@ class GuessGate:
             return k - 1
         return max(1, min(k - 1, math.ceil(self._kept_mean) + 1))
 
-    def record(self, kept: int, check_s: float, step_s: float | None) -> None:
-        """A check's outcome: guesses kept, the check's forward time and the model's single step time (None before
-        any single step was timed, when the saving is not known yet)."""
+    def record(self, kept: int, check_s: float, step_s: float | None, replaced: int = 0) -> None:
+        """A check's outcome: guesses kept, the check's forward time, the model's single step time (None before
+        any single step was timed, when the saving is not known yet) and the steps its forward replaced."""
         self._kept_mean = kept if self._kept_mean is None else 0.7 * self._kept_mean + 0.3 * kept
         if step_s is None:
             return
-        self._saved.append(kept * step_s - check_s)
+        self._saved.append((kept + replaced) * step_s - check_s)
         if len(self._saved) > self.window:
             self._saved.popleft()
         if len(self._saved) == self.window:
@@ -78,13 +79,27 @@ class StackedDrafter:
         self.proposer.begin(context, sampling)
         self.model.begin(context, sampling)
 
-    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
-        guesses = self.proposer.propose(context, self.gate.budget(k)).token_ids if k > 1 and self.gate.allows() else []
-        proposal = self.model.propose(context, k, stop, guesses=guesses)
+    def _guesses(self, context: list[int], k: int) -> list[int]:
+        return self.proposer.propose(context, self.gate.budget(k)).token_ids if k > 1 and self.gate.allows() else []
+
+    def _checked(self, guesses: list[int]) -> None:
         if guesses:
             kept = self.model.guesses_kept
-            self.gate.record(kept, self.model.check_s, self.model.step_s)
+            self.gate.record(kept, self.model.check_s, self.model.step_s, self.model.check_replaced)
             self.checks, self.guessed, self.kept = self.checks + 1, self.guessed + len(guesses), self.kept + kept
+
+    def propose(self, context: list[int], k: int, stop=None) -> Proposal:
+        guesses = self._guesses(context, k)
+        proposal = self.model.propose(context, k, stop, guesses=guesses)
+        self._checked(guesses)
+        return proposal
+
+    def step_ahead(self, context: list[int], limit: int) -> Proposal:
+        """One step of drafting ahead (edge_client.draft_ahead), which a plain drafter takes a token at a time: the
+        guesses checked in one forward, their kept run and the token after it, at most `limit` tokens."""
+        guesses = self._guesses(context, limit)
+        proposal = self.model.propose(context, len(guesses) + 1, guesses=guesses, upto_miss=True)
+        self._checked(guesses)
         return proposal
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:

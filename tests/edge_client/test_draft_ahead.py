@@ -22,6 +22,7 @@ from scipy.stats import chisquare
 from edge_client import codec
 from edge_client.drafters.base import DrafterOptions, Proposal
 from edge_client.drafters.kv_drafter import KVDrafter
+from edge_client.drafters.stacked import GuessGate, StackedDrafter
 from edge_client.generation import generate
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
@@ -62,8 +63,8 @@ class TableDrafter(KVDrafter):
         self.proposed = 0  # tokens drafted, used or not
         self.fed: list[tuple[int, int]] = []  # (position, token) of every token evaluated into the cache
 
-    def propose(self, context, k, stop=None):
-        proposal = super().propose(context, k, stop)
+    def propose(self, context, k, stop=None, **checked):
+        proposal = super().propose(context, k, stop, **checked)
         self.proposed += len(proposal.token_ids)
         return proposal
 
@@ -157,12 +158,36 @@ TOKENIZER = SimpleNamespace(eos_token_id=EOS, fingerprint="table",
                             stream_decoder=lambda: SimpleNamespace(feed=lambda ids: "", flush=lambda: ""))
 
 
-async def _runs(n, draft_ahead, seeded, delay=0.003, drafters=None):
+class ChainGuesser:
+    """A model-free proposer that guesses a table's argmax chain (Q's: often what the drafter draws, often not),
+    or the fixed tokens it is given."""
+
+    name = "chain"
+
+    def __init__(self, table=Q, fixed=None):
+        self.table, self.fixed = table, fixed
+
+    def begin(self, context, sampling):
+        pass
+
+    def propose(self, context, k, stop=None):
+        if self.fixed is not None:
+            return Proposal(self.fixed[:k])
+        return Proposal(greedy_chain_from(self.table, context[-1], k))
+
+    def accept(self, context, ahead=()):
+        pass
+
+    def close(self):
+        pass
+
+
+async def _runs(n, draft_ahead, seeded, delay=0.003, drafters=None, stacked=False):
     MISSENT.clear()
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=64))
 
     async def one(i):
-        drafter = TableDrafter()
+        drafter = StackedDrafter(ChainGuesser(), TableDrafter(), GuessGate(window=10**6)) if stacked else TableDrafter()
         if drafters is not None:
             drafters.append(drafter)
         sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
@@ -185,6 +210,44 @@ def test_drafting_ahead_keeps_the_target_distribution(seeded):
     assert not MISSENT, MISSENT[:3]
     assert sum(r.ahead_tokens for r in results) > 0.08 * sum(r.draft_tokens for r in results)  # ahead drafts were used
     assert_follows_p(results)
+
+
+def test_stacked_drafting_ahead_keeps_the_target_distribution():
+    """A stacked drafter drafts ahead several tokens a step (its guesses checked in one forward, up to the first
+    not kept): every token still goes out with the model's q at its context, and the text follows P."""
+    drafters = []
+    results = asyncio.run(_runs(3000, True, True, drafters=drafters, stacked=True))
+    assert all(len(r.token_ids) == N_TOKENS for r in results)
+    assert not MISSENT, MISSENT[:3]
+    assert sum(r.ahead_tokens for r in results) > 0.08 * sum(r.draft_tokens for r in results)
+    assert sum(d.kept for d in drafters) > 0 and sum(d.guessed for d in drafters) > sum(d.kept for d in drafters)
+    assert_follows_p(results)
+
+
+def test_a_stacked_ahead_step_is_the_kept_guesses_and_the_token_after_them():
+    model = TableDrafter(Q_GREEDY)
+    stacked = StackedDrafter(ChainGuesser(Q_GREEDY), model, GuessGate(window=10**6))
+    stacked.begin(PROMPT, SamplingParams())
+    chain = greedy_chain(Q_GREEDY, 6)
+    # guesses all right: the three checked in one forward and the token after them
+    assert stacked.step_ahead(PROMPT, 4).token_ids == chain[:4]
+    assert model.guesses_kept == 3 and stacked.checks == 1
+    # the second guess wrong: the step ends at the model's own token there, nothing drafted past it
+    context = PROMPT + chain[:4]
+    stacked.proposer = ChainGuesser(fixed=[chain[4], (chain[5] + 1) % V, 0])
+    assert stacked.step_ahead(context, 4).token_ids == chain[4:6]
+    assert model.guesses_kept == 1 and model._evaluated == context + chain[4:5]
+    # a limit of one token leaves nothing to guess: one model step
+    assert stacked.step_ahead(PROMPT + chain[:6], 1).token_ids == greedy_chain_from(Q_GREEDY, chain[5], 1)
+    assert stacked.checks == 2
+
+
+def greedy_chain_from(table, last, n):
+    out = []
+    for _ in range(n):
+        last = int(np.argmax(table[last]))
+        out.append(last)
+    return out
 
 
 def assert_follows_p(results):

@@ -88,12 +88,22 @@ def test_greedy_stacked_drafts_are_the_model_s_whatever_is_guessed():
         plain_next = PairModel()
         plain_next.begin(committed, SamplingParams())
         assert stacked.propose(committed, 4).token_ids == plain_next.propose(committed, 4).token_ids
-    # guesses all right: one forward checks five guesses, then one more token is fed
+    # guesses all right: one forward evaluates the context and checks five guesses; the sixth token needs none
     model = StackedDrafter(Guesser(want[:5]), PairModel())
     model.begin(context, SamplingParams())
-    before = model.model.forwards
     model.propose(context, 6)
-    assert model.model.forwards - before == 2 and model.kept == 5
+    assert (model.model.forwards, model.model.tokens, model.kept) == (1, len(context) + 5, 5)
+    assert model.model.check_replaced == 1
+    # after a verdict the context's new tokens (the sixth draft, the target's bonus) ride in the check's forward,
+    # and the drafts are still the model's
+    committed = context + want + [0]
+    model.accept(committed)
+    plain_next = PairModel()
+    plain_next.begin(committed, SamplingParams())
+    want_next = plain_next.propose(committed, 4).token_ids
+    model.proposer.guesses = want_next[:3]
+    assert model.propose(committed, 4).token_ids == want_next
+    assert (model.model.forwards, model.model.tokens) == (2, len(context) + 5 + 2 + 3)
 
 
 def test_sampled_stacked_tokens_follow_the_model_s_distribution_and_carry_its_q():
@@ -140,6 +150,11 @@ def test_the_gate_keeps_checks_that_save_model_steps_and_rests_those_that_do_not
     for _ in range(4):
         dear.record(kept=3, check_s=1.0, step_s=1.0)  # paying again
     assert dear.allows()
+    # a check whose forward also did the round's first step saves that step too: 1.5 s for 1 kept + 1 replaced pays
+    merged = GuessGate(window=4, rest=3)
+    for _ in range(8):
+        assert merged.allows()
+        merged.record(kept=1, check_s=1.5, step_s=1.0, replaced=1)
     # before any model step was timed the saving is unknown: nothing is judged
     unknown = GuessGate(window=2, rest=3)
     for _ in range(5):

@@ -26,6 +26,8 @@ def test_mixed_drafters_on_one_server_each_get_the_target_text(make_server, toke
         "onnx int8, 6 layers": ("onnx", DrafterOptions(onnx_model=str(onnx_drafts["int8"]), threads=1)),
         "cacheback": ("cacheback", DrafterOptions()),
         "prompt lookup": ("ngram", DrafterOptions()),
+        "prompt lookup under onnx": ("stack:ngram+onnx", DrafterOptions(onnx_model=str(onnx_drafts["int8"]),
+                                                                       threads=1)),
     }
     prompts = {name: tokenizer.encode(PROMPTS[i]) for i, name in enumerate(devices, start=5)}
 
