@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge_client.drafters import DrafterOptions, create_drafter
+from edge_client.drafters.ngram import lookup
 from edge_client.generation import generate
 from edge_client.policy import DraftPolicy
 from edge_client.tokenizer import Tokenizer
@@ -31,7 +32,7 @@ from .report import machine, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## Drafters: acceptance on repetitive, edit and free text"
-STACKED_ROW = "stacked: prompt lookup under llama.cpp Q4_1"
+ONNX_ROW = "ONNX Runtime, int8 weights"
 
 REPETITIVE = [
     "Repeat this sentence five times, one per line: The quick brown fox jumps over the lazy dog.",
@@ -41,17 +42,21 @@ REPETITIVE = [
     "Write an HTML table with three rows, each with the cells Name, Age and City.",
     "Count from 1 to 30, separated by commas.",
 ]
-# Outputs that repeat their inputs (code edits, extraction): where a model-free proposer under the model pays.
+# Outputs that repeat their inputs (code edits, reformatting, rewriting): where a model-free proposer under the model
+# pays. Each is a prompt whose answer by the 135M target reproduces its input; the table's "copied" column says how
+# much of the answers prompt lookup predicts.
 EDIT = [
-    "Rename the variable `total` to `running_sum` in this function and return the whole function:\n\n"
-    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
     "Add a docstring to this function and return the whole function:\n\n"
     "def clamp(x, low, high):\n    if x < low:\n        return low\n    if x > high:\n        return high\n"
     "    return x\n",
-    "Fix the spelling mistakes and return the corrected text: The comittee will recieve the anual report on "
-    "wensday and will dicuss the budjet for the folowing year.",
-    "Extract every email address from this text, one per line: Contact alice@example.com for sales, "
-    "bob.smith@example.org for support, and carol@example.net for press. Invoices go to billing@example.com.",
+    "Add a docstring to this class and return the whole class:\n\n"
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def is_empty(self):\n        return len(self.items) == 0\n",
+    "Format this JSON with two-space indentation: {\"name\": \"Alice\", \"age\": 34, \"city\": \"Paris\", "
+    "\"languages\": [\"French\", \"English\"], \"active\": true}",
+    "Write this HTML again with the class \"item\" added to every li element:\n\n"
+    "<ul>\n  <li>Apples</li>\n  <li>Bananas</li>\n  <li>Cherries</li>\n  <li>Dates</li>\n</ul>\n",
     "Convert this list to a JSON array of objects with keys name and age: Alice, 34; Bob, 27; Carol, 45; "
     "Dave, 19; Eve, 52.",
     "Rewrite this SQL query with the keywords in upper case: select name, email from users where age > 30 "
@@ -74,16 +79,24 @@ async def run_set(address, tokenizer, drafter, prompts, max_tokens, k):
                                         policy=DraftPolicy(draft_tokens=k, adaptive=False)))
     finally:
         await client.close()
+    copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
     drafted = sum(r.draft_tokens for r in rows)
     accepted = sum(r.accepted_tokens for r in rows)
     rounds = sum(r.rounds for r in rows)
     tokens = sum(len(r.token_ids) for r in rows)
     checks = {"checks": drafter.checks, "guessed": drafter.guessed, "kept": drafter.kept} if hasattr(
         drafter, "checks") else {}  # a stacked drafter's lifetime counts: this set's, as it serves one set
-    return checks | {"acceptance_rate": accepted / drafted if drafted else 0.0,
+    return checks | {"copied": copied / tokens if tokens else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
             "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
             "tokens_per_s": tokens / sum(r.elapsed_s for r in rows)}
+
+
+def copied_tokens(prompt: list[int], answer: list[int]) -> int:
+    """Tokens of the answer that prompt lookup's first guess (n-grams of 3 down to 1) predicts from what came before:
+    how much the answer repeats its prompt and itself."""
+    return sum(lookup(prompt + answer[:i], 1, 3, 1) == [t] for i, t in enumerate(answer))
 
 
 # With this model most tensors of a q2_k request fall back to q4_0 (576 columns is not a multiple of 256).
@@ -105,13 +118,13 @@ def median_run(name: str, label: str, done: list[dict]) -> dict:
                                              "runs_tokens_per_s": [r["tokens_per_s"] for r in done]}
 
 
-def check_cost(options: DrafterOptions, n: int, reps: int = 15) -> float:
-    """What one forward of n guesses costs the llama.cpp drafter on this host, in its own one-token steps (medians
-    of `reps`): the most a stacked drafter's check can save is n - this, when every guess is kept."""
-    d = create_drafter("llama-cpp", options)
+def check_cost(kind: str, options: DrafterOptions, k: int, reps: int = 15) -> float:
+    """What one forward of k tokens (a stacked round's check: the context's last token and k - 1 guesses) costs a
+    model drafter on this host, in its own one-token steps (medians of `reps`)."""
+    d = create_drafter(kind, options)
     try:
         d._feed(list(range(100, 400)))  # any 300-token context
-        base, guesses = len(d._evaluated), list(range(500, 500 + n))
+        base, tokens = len(d._evaluated), list(range(500, 500 + k))
 
         def timed(run) -> float:
             times = []
@@ -123,28 +136,29 @@ def check_cost(options: DrafterOptions, n: int, reps: int = 15) -> float:
                 del d._evaluated[base:]
             return statistics.median(times)
 
-        step = timed(lambda: d._feed(guesses[:1]))
-        return timed(lambda: d._eval_rows(guesses)) / step
+        step = timed(lambda: d._feed(tokens[:1]))
+        return timed(lambda: d._eval_rows(tokens)) / step
     finally:
         d.close()
 
 
 def stack_ceiling(k: int, cost: float) -> float:
     """The drafting time a round of K tokens takes stacked with every guess kept, against the model alone's: one
-    step for the round's first token, then the check of K - 1 guesses, against K steps."""
-    return (1 + cost) / k
+    forward of K tokens (the round's first token and K - 1 guesses) against K steps."""
+    return cost / k
 
 
-def stack_goals(rows: list[dict]) -> str:
-    """Each stacked drafter's device tok/s against llama.cpp Q4_1 alone, text set by text set."""
+def stack_goals(rows: list[dict], models: dict[str, str]) -> str:
+    """Each stacked drafter's device tok/s against its model alone (`models`: stacked row -> the model's row), text
+    set by text set."""
     by = {(r["drafter"], r["text"]): r["tokens_per_s"] for r in rows}
     out = []
-    for name in dict.fromkeys(r["drafter"] for r in rows if r["drafter"].startswith("stacked")):
-        ratios = ", ".join(f"{text} {by[name, text] / by['llama.cpp Q4_1', text]:.2f}x"
-                           for text in ("repetitive", "edit", "free") if (name, text) in by
-                           and ("llama.cpp Q4_1", text) in by)
-        out.append(f"- {name} / llama.cpp Q4_1 alone, device tok/s: {ratios} (goals: edit at least 1.3x, free at "
-                   "least 0.95x)")
+    for name, model in models.items():
+        ratios = ", ".join(f"{text} {by[name, text] / by[model, text]:.2f}x"
+                           for text in ("repetitive", "edit", "free") if (name, text) in by and (model, text) in by)
+        if ratios:
+            out.append(f"- {name} / {model} alone, device tok/s: {ratios} (goals: edit at least 1.3x, free at least "
+                       "0.95x)")
     return "\n".join(out)
 
 
@@ -164,40 +178,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def drafters(args, work: Path) -> dict:
-    """The drafters to compare, making the requantized and exported ones first."""
+def drafters(args, work: Path) -> tuple[dict, dict]:
+    """The drafters to compare, making the requantized and exported ones first, and each stacked row's model row."""
     kinds = [k for k in args.requantized.split(",") if k]
     requantized = {}
     for k in kinds:
         tool("requantize_gguf.py", "--output", str(work / f"smollm2-{k}.gguf"), "--type", k)
         requantized[REQUANTIZED_NAMES.get(k, f"llama.cpp requantized to {k}")] = work / f"smollm2-{k}.gguf"
-    onnx = {}
+    llama = DrafterOptions(threads=1)
+    models = {"llama.cpp Q4_1": ("llama-cpp", llama)}
     if args.onnx:
         onnx_model = args.onnx_model
         if not onnx_model:
             onnx_model = str(work / "smollm2-int8.onnx")
             tool("export_onnx_draft.py", "--output", onnx_model, "--int8")
-        onnx["ONNX Runtime, int8 weights"] = ("onnx", DrafterOptions(onnx_model=onnx_model, threads=1))
-    return {
-        "llama.cpp Q4_1": ("llama-cpp", DrafterOptions(threads=1)),
+        models[ONNX_ROW] = ("onnx", DrafterOptions(onnx_model=onnx_model, threads=1))
+    stacks = {f"stacked: {proposer_name} under {model}": (f"stack:{proposer}+{kind}", opts, model)
+              for model, (kind, opts) in models.items()
+              for proposer, proposer_name in (("ngram", "prompt lookup"), ("cacheback", "Cacheback"))}
+    compared = {
+        "llama.cpp Q4_1": models["llama.cpp Q4_1"],
         **{name: ("llama-cpp", DrafterOptions(model_path=str(path), threads=1)) for name, path in requantized.items()},
-        **onnx,
+        **{name: m for name, m in models.items() if name != "llama.cpp Q4_1"},
         "Cacheback (LRU n-gram caches)": ("cacheback", DrafterOptions()),
         "prompt lookup (n-gram)": ("ngram", DrafterOptions()),
-        STACKED_ROW: ("stacked", DrafterOptions(threads=1)),
-        "stacked: Cacheback under llama.cpp Q4_1": ("stack:cacheback+llama-cpp", DrafterOptions(threads=1)),
+        **{name: (kind, opts) for name, (kind, opts, _) in stacks.items()},
     }
+    return compared, {name: model for name, (_, _, model) in stacks.items()}
 
 
 def main(args) -> int:
     try:
-        compared = drafters(args, Path(tempfile.mkdtemp(prefix="sled-drafters-")))
+        compared, stacked_on = drafters(args, Path(tempfile.mkdtemp(prefix="sled-drafters-")))
     except RuntimeError as err:  # a tool refused (an unknown --requantized type) or failed
         print(f"sled-bench drafters: {err}", file=sys.stderr)
         return 2
-    cost = check_cost(DrafterOptions(threads=1), args.draft_tokens - 1)
-    print(f"[bench] llama.cpp Q4_1: a forward of {args.draft_tokens - 1} guesses costs {cost:.2f} one-token steps here",
-          flush=True)
+    k = args.draft_tokens
+    costs = {}
+    for model in dict.fromkeys(stacked_on.values()):
+        costs[model] = check_cost(*compared[model], k)
+        print(f"[bench] {model}: a forward of {k} tokens costs {costs[model]:.2f} one-token steps here", flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
         with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
@@ -219,28 +239,29 @@ def main(args) -> int:
         print(err, file=sys.stderr)
         return 1
     rows = [median_run(name, label, done) for (name, label), done in runs.items()]
-    lines = ["| drafter | text | acceptance | mean accept. length | drafted / round | device tok/s |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| drafter | text | copied | acceptance | mean accept. length | drafted / round | device tok/s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['drafter']} | {r['text']} | {r['acceptance_rate']:.2f} | {r['mean_acceptance_length']:.2f} "
-                     f"| {r['draft_tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} |")
+        lines.append(f"| {r['drafter']} | {r['text']} | {r['copied']:.2f} | {r['acceptance_rate']:.2f} "
+                     f"| {r['mean_acceptance_length']:.2f} | {r['draft_tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} |")
     checked = [f"- {r['drafter']}, {r['text']}: {r['checks']} checks of {r['guessed']} guesses kept {r['kept']}"
                for r in rows if "checks" in r]
-    k = args.draft_tokens
-    table = "\n".join(lines) + "\n\n" + stack_goals(rows) + "\n" + "\n".join(checked) + (
-        f"\n- on this host a llama.cpp Q4_1 forward of {k - 1} guesses costs {cost:.2f} of its one-token steps, so "
-        f"a stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
-        f"drafting time: device tok/s can gain at most {1 / stack_ceiling(k, cost):.2f}x here, before any "
-        "verification time")
+    ceilings = [f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a stacked "
+                f"round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's drafting "
+                f"time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
+                for model, cost in costs.items()]
+    table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *ceilings])
     print("\n" + table)
     section = (
         f"{MARKER}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: SmolLM2-135M-Instruct (float32, torch); greedy; K = {args.draft_tokens}; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
-        f"whose answers repeat their input (renames, fixes, extraction) and {len(FREE)} free questions, chat "
+        f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions, chat "
         f"template; one device, prompts one after another, one drafter instance a set; {args.repeats} runs of each, "
         "interleaved, and the run of median device tok/s shown\n"
+        "- copied = the share of the answers' tokens that prompt lookup's first guess predicts from the prompt and "
+        "the answer before them (the same for every drafter: greedy answers are the target's)\n"
         "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
         "propose nothing when they find no match, so their drafted / round is below K\n\n"
         + table + "\n")

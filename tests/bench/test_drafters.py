@@ -1,25 +1,35 @@
 """sled-bench drafters: the stacked drafters' ratios to the model alone, text set by text set."""
 
-from bench.drafters import median_run, stack_ceiling, stack_goals
+from bench.drafters import copied_tokens, median_run, stack_ceiling, stack_goals
 
 
-def test_stacked_rows_are_read_against_the_model_alone():
+def test_stacked_rows_are_read_against_their_own_model_alone():
     rows = [{"drafter": d, "text": t, "tokens_per_s": v} for d, t, v in (
         ("llama.cpp Q4_1", "repetitive", 10.0), ("llama.cpp Q4_1", "edit", 10.0), ("llama.cpp Q4_1", "free", 8.0),
+        ("onnx", "edit", 5.0), ("onnx", "free", 4.0),
         ("stacked: prompt lookup under llama.cpp Q4_1", "repetitive", 12.0),
         ("stacked: prompt lookup under llama.cpp Q4_1", "edit", 14.0),
         ("stacked: prompt lookup under llama.cpp Q4_1", "free", 7.6),
+        ("stacked: prompt lookup under onnx", "edit", 8.0), ("stacked: prompt lookup under onnx", "free", 3.6),
         ("prompt lookup (n-gram)", "edit", 30.0))]
-    assert stack_goals(rows) == ("- stacked: prompt lookup under llama.cpp Q4_1 / llama.cpp Q4_1 alone, device tok/s: "
-                                 "repetitive 1.20x, edit 1.40x, free 0.95x (goals: edit at least 1.3x, free at least "
-                                 "0.95x)")
+    models = {"stacked: prompt lookup under llama.cpp Q4_1": "llama.cpp Q4_1", "stacked: prompt lookup under onnx": "onnx",
+              "stacked: Cacheback under onnx": "onnx"}  # a stack without rows (left out) gives no line
+    assert stack_goals(rows, models).splitlines() == [
+        "- stacked: prompt lookup under llama.cpp Q4_1 / llama.cpp Q4_1 alone, device tok/s: repetitive 1.20x, "
+        "edit 1.40x, free 0.95x (goals: edit at least 1.3x, free at least 0.95x)",
+        "- stacked: prompt lookup under onnx / onnx alone, device tok/s: edit 1.60x, free 0.90x (goals: edit at least "
+        "1.3x, free at least 0.95x)"]
 
 
+def test_the_stacking_ceiling_is_one_forward_of_k_tokens_against_k_steps():
+    assert abs(stack_ceiling(4, 3.0) - 0.75) < 1e-12
+    assert stack_ceiling(4, 1.0) == 0.25  # a forward that costs one step: K times as fast at best
 
-def test_the_stacking_ceiling_counts_the_first_step_and_the_check():
-    # K = 4: one step, then 3 guesses checked for the cost of 2.4 steps, against 4 steps alone
-    assert abs(stack_ceiling(4, 2.4) - 0.85) < 1e-12
-    assert stack_ceiling(4, 1.0) == 0.5  # a check that costs one step: twice as fast at best
+
+def test_copied_tokens_are_those_prompt_lookup_predicts():
+    # after "1 2" the prompt continues with 3; after "9" nothing was seen; the repeated "1 2 3" is predicted too
+    assert copied_tokens([1, 2, 3, 4, 1, 2], [3, 9, 1, 2, 3]) == 1 + 0 + 0 + 1 + 1
+    assert copied_tokens([5], []) == 0
 
 
 def test_a_row_is_the_run_of_median_speed():
