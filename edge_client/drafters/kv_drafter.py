@@ -11,17 +11,6 @@ from ..sampling import SamplingParams, sample, sparse_distribution
 from .base import DrafterOptions, Proposal
 
 
-def keep_or_resample(ids: np.ndarray, probs: np.ndarray, guess: int, rng: np.random.Generator) -> int:
-    """The standard rejection rule for a guess proposed with certainty: kept with probability p(guess), else a draw
-    from p with the guess taken out. Either way the token is distributed as p."""
-    hit = np.flatnonzero(ids == guess)
-    p_guess = float(probs[hit[0]]) if hit.size else 0.0
-    if rng.random() < p_guess:
-        return guess
-    rest = np.where(ids == guess, 0.0, probs).astype(np.float32)
-    return sample(ids, rest / rest.sum(dtype=np.float32), rng)
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -145,7 +134,10 @@ class KVDrafter:
             guessed = i < len(guesses)
             if not s.greedy:
                 rng = self._draw_rng(len(context) + i)
-                x = keep_or_resample(ids, probs, guesses[i], rng) if guessed else sample(ids, probs, rng)
+                # A guess (q = 1) is kept where this draw from p is the guess: with probability p(guess), and
+                # otherwise the token is p without the guess, as the standard rejection rule has it; the draw is
+                # the one an unguessed draft makes, so a seeded run does not depend on what was guessed.
+                x = sample(ids, probs, rng)
                 q_ids.append(ids)
                 q_probs.append(probs)
             tokens.append(x)
