@@ -243,12 +243,13 @@ def main(args) -> int:
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['drafter']} | {r['text']} | {r['copied']:.2f} | {r['acceptance_rate']:.2f} "
-                     f"| {r['mean_acceptance_length']:.2f} | {r['draft_tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} |")
+                     f"| {r['mean_acceptance_length']:.2f} | {r['draft_tokens_per_round']:.2f} "
+                     f"| {r['tokens_per_s']:.1f} |")
     checked = [f"- {r['drafter']}, {r['text']}: {r['checks']} checks of {r['guessed']} guesses kept {r['kept']}"
                for r in rows if "checks" in r]
-    ceilings = [f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a stacked "
-                f"round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's drafting "
-                f"time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
+    ceilings = [f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a "
+                f"stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
+                f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
                 for model, cost in costs.items()]
     table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *ceilings])
     print("\n" + table)

@@ -165,7 +165,8 @@ class DraftAhead:
         t0 = time.perf_counter()
         while not arrived.is_set() and len(ahead.token_ids) < limit:
             # the first token alone: it is the bonus guess a verdict answered at once needs shown soonest
-            step = step_ahead(gen.drafter, base + ahead.token_ids, limit - len(ahead.token_ids) if ahead.token_ids else 1)
+            room = limit - len(ahead.token_ids) if ahead.token_ids else 1
+            step = step_ahead(gen.drafter, base + ahead.token_ids, room)
             if not step.token_ids:
                 break
             ends = [i for i, t in enumerate(step.token_ids) if t in gen.stop_ids]

@@ -24,23 +24,26 @@ from .base import Proposal
 class GuessGate:
     """Whether, and how many of, the proposer's guesses are worth checking. A check saves one model step (`step_s`,
     measured) for each guess kept, and one more where its forward also did the round's first step (`replaced`), and
-    costs its forward (`check_s`, measured): over the last `window` checks the seconds saved must stay above zero. Once they do not, the proposer rests for `rest` drafts (twice as long after
-    each rest that did not help, up to `max_rest`), then is tried again. A check takes one guess more than were kept
-    lately (`budget`), so a proposer right for a few tokens is not charged for its longer runs of guesses."""
+    costs its forward (`check_s`, measured): over the last `window` checks the seconds saved must stay above zero.
+    Once they do not, the proposer rests while the model drafts `rest` tokens alone (twice as many after each rest
+    that did not help, up to `max_rest`), then is tried again: counted in tokens, not calls, since drafting ahead
+    asks for guesses several times a round. A check takes one guess more than were kept lately (`budget`), so a proposer
+    right for a few tokens is not charged for its longer runs of guesses."""
 
     window: int = 16
-    rest: int = 64
-    max_rest: int = 1024
+    rest: int = 256
+    max_rest: int = 4096
     _saved: deque = field(default_factory=deque)  # seconds each recent check saved (negative: lost)
     _kept_mean: float | None = None  # recent guesses kept a check, an exponential mean
     _resting: int = 0
     _next_rest: int = 0
 
     def allows(self) -> bool:
-        if self._resting:
-            self._resting -= 1
-            return False
-        return True
+        return self._resting <= 0
+
+    def drafted_alone(self, tokens: int) -> None:
+        """The model drafted `tokens` without guesses: a rest passes."""
+        self._resting = max(0, self._resting - tokens)
 
     def budget(self, k: int) -> int:
         """How many guesses a draft of k tokens checks (at most k - 1: the first token needs no guess)."""
@@ -82,8 +85,10 @@ class StackedDrafter:
     def _guesses(self, context: list[int], k: int) -> list[int]:
         return self.proposer.propose(context, self.gate.budget(k)).token_ids if k > 1 and self.gate.allows() else []
 
-    def _checked(self, guesses: list[int]) -> None:
-        if guesses:
+    def _checked(self, guesses: list[int], proposal: Proposal) -> None:
+        if not guesses:
+            self.gate.drafted_alone(len(proposal.token_ids))
+        else:
             kept = self.model.guesses_kept
             self.gate.record(kept, self.model.check_s, self.model.step_s, self.model.check_replaced)
             self.checks, self.guessed, self.kept = self.checks + 1, self.guessed + len(guesses), self.kept + kept
@@ -91,7 +96,7 @@ class StackedDrafter:
     def propose(self, context: list[int], k: int, stop=None) -> Proposal:
         guesses = self._guesses(context, k)
         proposal = self.model.propose(context, k, stop, guesses=guesses)
-        self._checked(guesses)
+        self._checked(guesses, proposal)
         return proposal
 
     def step_ahead(self, context: list[int], limit: int) -> Proposal:
@@ -99,7 +104,7 @@ class StackedDrafter:
         guesses checked in one forward, their kept run and the token after it, at most `limit` tokens."""
         guesses = self._guesses(context, limit)
         proposal = self.model.propose(context, len(guesses) + 1, guesses=guesses, upto_miss=True)
-        self._checked(guesses)
+        self._checked(guesses, proposal)
         return proposal
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:

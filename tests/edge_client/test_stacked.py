@@ -154,17 +154,25 @@ def test_the_gate_keeps_checks_that_save_model_steps_and_rests_those_that_do_not
     for _ in range(20):
         assert cheap.allows()
         cheap.record(kept=1, check_s=0.2, step_s=1.0)
-    # where a check of its guesses costs more than the step it saves (a compute-bound CPU) it rests, then tries again
+    # where a check of its guesses costs more than the step it saves (a compute-bound CPU) it rests while the model
+    # drafts `rest` tokens alone, then tries again
     dear = GuessGate(window=4, rest=3)
     for _ in range(3):
         assert dear.allows()
         dear.record(kept=1, check_s=1.5, step_s=1.0)
     assert dear.allows()
     dear.record(kept=1, check_s=1.5, step_s=1.0)  # the fourth check fills the window: 2 seconds lost
-    assert [dear.allows() for _ in range(4)] == [False, False, False, True]
+    assert not dear.allows() and not dear.allows()  # asking does not pass a rest (drafting ahead asks often)
+    dear.drafted_alone(2)
+    assert not dear.allows()
+    dear.drafted_alone(1)
+    assert dear.allows()
     for _ in range(4):
         dear.record(kept=0, check_s=1.0, step_s=1.0)
-    assert [dear.allows() for _ in range(7)] == [False] * 6 + [True]  # a rest that did not help: twice as long
+    dear.drafted_alone(5)
+    assert not dear.allows()  # a rest that did not help: twice as long
+    dear.drafted_alone(1)
+    assert dear.allows()
     for _ in range(4):
         dear.record(kept=3, check_s=1.0, step_s=1.0)  # paying again
     assert dear.allows()
@@ -200,6 +208,17 @@ def test_a_stacked_drafter_rests_a_proposer_that_is_never_right():
     assert model.step_s is not None and model.check_s > 0  # the gate's costs were timed on the model
     assert stacked.checks <= 5  # at most 4 checks before it rests (5 if the first guess happened to be right)
     assert stacked.guessed < 4 * stacked.checks  # after a miss, one guess a check rather than four
+    # a rest passes with the tokens the model drafts alone, five a draft: the next, after a rest that did not
+    # help, is 200 tokens, 40 drafts
+    while not stacked.gate.allows():
+        stacked.propose([1, 2], 5)
+    while stacked.gate.allows():
+        stacked.propose([1, 2], 5)
+    resting = 0
+    while not stacked.gate.allows():
+        stacked.propose([1, 2], 5)
+        resting += 1
+    assert resting == 40
 
 
 def test_stack_names():
