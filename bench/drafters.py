@@ -220,7 +220,9 @@ def main(args) -> int:
         print(f"[bench] {model}: a forward of {k} tokens costs {costs[model]:.2f} one-token steps here", flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
-        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
+        # a server caps K at its max_draft_tokens (16 by default) without a word: it must allow the K reported
+        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024",
+                           "--max-draft-tokens", str(max(16, args.draft_tokens))) as address:
             tokenizer = Tokenizer()
             for repeat in range(args.repeats):  # every drafter once a repeat, so a slow spell of the host hits all
                 for name, (kind, opts) in compared.items():

@@ -235,7 +235,9 @@ def main(args) -> int:
                 "exact": create_drafter("llama-cpp", options),
                 "fly": create_drafter("llama-cpp", options)}
     try:
-        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024") as address:
+        # a server caps K at its max_draft_tokens (16 by default) without a word: it must allow the K reported
+        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024",
+                           "--max-draft-tokens", str(max(16, args.draft_tokens))) as address:
             for i, problem in enumerate(items):
                 prompt_ids = tokenizer.encode(problem["prompt"])
                 done = {}
