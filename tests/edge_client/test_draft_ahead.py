@@ -26,6 +26,7 @@ from edge_client.drafters.stacked import GuessGate, StackedDrafter
 from edge_client.generation import generate
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
+from tests.edge_client.test_stacked import Guesser
 
 V, EOS = 4, 99  # EOS outside the vocabulary: generations end by length
 P = np.array([[0.05, 0.75, 0.10, 0.10],
@@ -158,28 +159,14 @@ TOKENIZER = SimpleNamespace(eos_token_id=EOS, fingerprint="table",
                             stream_decoder=lambda: SimpleNamespace(feed=lambda ids: "", flush=lambda: ""))
 
 
-class ChainGuesser:
-    """A model-free proposer that guesses a table's argmax chain (Q's: often what the drafter draws, often not),
-    or the fixed tokens it is given."""
+class ChainGuesser(Guesser):
+    """A model-free proposer that guesses a table's argmax chain (Q's: often what the drafter draws, often not)."""
 
-    name = "chain"
-
-    def __init__(self, table=Q, fixed=None):
-        self.table, self.fixed = table, fixed
-
-    def begin(self, context, sampling):
-        pass
+    def __init__(self, table=Q):
+        self.table = table
 
     def propose(self, context, k, stop=None):
-        if self.fixed is not None:
-            return Proposal(self.fixed[:k])
-        return Proposal(greedy_chain_from(self.table, context[-1], k))
-
-    def accept(self, context, ahead=()):
-        pass
-
-    def close(self):
-        pass
+        return Proposal(greedy_chain(self.table, k, last=context[-1]))
 
 
 async def _runs(n, draft_ahead, seeded, delay=0.003, drafters=None, stacked=False):
@@ -234,20 +221,12 @@ def test_a_stacked_ahead_step_is_the_kept_guesses_and_the_token_after_them():
     assert model.guesses_kept == 3 and stacked.checks == 1
     # the second guess wrong: the step ends at the model's own token there, nothing drafted past it
     context = PROMPT + chain[:4]
-    stacked.proposer = ChainGuesser(fixed=[chain[4], (chain[5] + 1) % V, 0])
+    stacked.proposer = Guesser([chain[4], (chain[5] + 1) % V, 0])
     assert stacked.step_ahead(context, 4).token_ids == chain[4:6]
     assert model.guesses_kept == 1 and model._evaluated == context + chain[4:5]
     # a limit of one token leaves nothing to guess: one model step
-    assert stacked.step_ahead(PROMPT + chain[:6], 1).token_ids == greedy_chain_from(Q_GREEDY, chain[5], 1)
+    assert stacked.step_ahead(PROMPT + chain[:6], 1).token_ids == greedy_chain(Q_GREEDY, 1, last=chain[5])
     assert stacked.checks == 2
-
-
-def greedy_chain_from(table, last, n):
-    out = []
-    for _ in range(n):
-        last = int(np.argmax(table[last]))
-        out.append(last)
-    return out
 
 
 def assert_follows_p(results):
@@ -287,9 +266,9 @@ def test_seeded_runs_repeat_exactly_however_much_was_drafted_ahead():
     assert counts["ahead-long"] > counts["plain"]  # drafting ahead drew tokens that were never sent
 
 
-def greedy_chain(table, n):
-    """The target's greedy text after PROMPT: n tokens, each its table row's argmax after the one before."""
-    out, last = [], PROMPT[-1]
+def greedy_chain(table, n, last=PROMPT[-1]):
+    """The greedy text after `last` (PROMPT's end): n tokens, each its table row's argmax after the one before."""
+    out = []
     for _ in range(n):
         last = int(np.argmax(table[last]))
         out.append(last)
