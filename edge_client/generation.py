@@ -36,6 +36,7 @@ class _Generation:
         self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
         self.max_tokens, self.sampling, self.policy, self.controller = max_tokens, sampling, policy, controller
         self.resilience, self.on_text, self.should_stop, self.client_id = resilience, on_text, should_stop, client_id
+        self.on_status = on_status
         self.stop_ids = frozenset(stop_ids) | {tokenizer.eos_token_id}
         self.request_stops = list(stop_ids)
         self.result = GenerationResult(prompt_token_ids=list(prompt), drafter=getattr(drafter, "name", ""))
@@ -95,7 +96,11 @@ class _Generation:
         self.outage.opened(reopened=self.opens > 0, context_tokens=len(self.context),
                            server=getattr(self.session, "server", None))
         self.opens += 1
-        self.controller.cap(self.session.opened.max_draft_tokens)
+        asked, server_max = self.controller.k_max, self.session.opened.max_draft_tokens
+        self.controller.cap(server_max)
+        if server_max < asked and self.opens == 1 and self.on_status:  # once a generation, not at each reconnect
+            self.on_status(f"the server takes drafts of at most {server_max} tokens: drafting up to {server_max} a "
+                           f"round, not {asked}")
         if self.session.opened.fly_window:  # FLy keeps a mismatch only before a draft's last W tokens
             self.controller.at_least(self.session.opened.fly_window + 1)
 
@@ -275,9 +280,10 @@ async def generate(
     client_id: str = "",
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt. on_text(piece, verified) sees the text as it is committed;
-    on_status(message) hears when the server is found unreachable and when it is back; should_stop() is asked each
-    round. `controller` is the device's adaptive controller, kept across its requests so that each starts from what
-    the earlier ones measured (None: a fresh one); the `none` drafter drafts nothing whatever the policy."""
+    on_status(message) hears when the server is found unreachable and when it is back, and when it caps K;
+    should_stop() is asked each round. `controller` is the device's adaptive controller, kept across its requests so
+    that each starts from what the earlier ones measured (None: a fresh one); the `none` drafter drafts nothing
+    whatever the policy."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: nothing to continue")
     if max_tokens <= 0:

@@ -85,14 +85,15 @@ class FakeSession:
     each drafted token comes with the drafter's distribution at the context it is verified in (Q's row of the
     token before it): the q it was sampled from, whether it was drafted ahead or not."""
 
-    def __init__(self, context, max_tokens, seed, delay, target=P, greedy=False, drafts=None, queue_ms=0.0):
+    def __init__(self, context, max_tokens, seed, delay, target=P, greedy=False, drafts=None, queue_ms=0.0,
+                 server_max=8):
         self.context, self.left, self.delay, self.target = list(context), max_tokens, delay, target
         self.queue_ms = queue_ms  # reported in every verdict: how long the draft waited through an earlier step
         self.drafts = [] if drafts is None else drafts  # each verified draft's length, in order
         # Greedy or not is the session's sampling, as on the server: an empty draft carries no q either way.
         self.greedy = greedy
         self.rng = np.random.default_rng(seed)
-        self.opened = codec.Opened("s", 8, V, 4096, "table")
+        self.opened = codec.Opened("s", server_max, V, 4096, "table")
 
     async def verify(self, round_, proposal: Proposal) -> codec.Verdict:
         self.drafts.append(len(proposal.token_ids))
@@ -145,14 +146,16 @@ class FakeSession:
 class FakeClient:
     auth_token = None
 
-    def __init__(self, seed, delay, max_tokens=N_TOKENS, target=P, queue_ms=0.0):
+    def __init__(self, seed, delay, max_tokens=N_TOKENS, target=P, queue_ms=0.0, server_max=8):
         self.seed, self.delay, self.max_tokens, self.target = seed, delay, max_tokens, target
+        self.server_max = server_max  # the Opened's max_draft_tokens
         self.queue_ms = queue_ms  # 0: the drafts find the server idle; more: each waited that long for a step
         self.drafts: list[int] = []  # the length of each draft its sessions verified
 
     async def open(self, msg, timeout=None, wait_for_ready=True):
         return FakeSession(PROMPT, self.max_tokens, self.seed, self.delay, self.target,
-                           greedy=msg.open.sampling.temperature == 0, drafts=self.drafts, queue_ms=self.queue_ms)
+                           greedy=msg.open.sampling.temperature == 0, drafts=self.drafts, queue_ms=self.queue_ms,
+                           server_max=self.server_max)
 
 
 TOKENIZER = SimpleNamespace(eos_token_id=EOS, fingerprint="table",
@@ -361,6 +364,23 @@ def test_the_first_draft_is_made_while_the_session_opens():
     assert result.token_ids == greedy_chain(table, 20)
     assert result.accepted_tokens == result.draft_tokens  # the early draft went out as drafted, nothing lost
     assert drafter.proposed == result.draft_tokens
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_device_asking_longer_drafts_than_the_server_takes_is_told_and_drafts_the_servers_limit(adaptive):
+    """A K above the server's max_draft_tokens is capped to it: the device says so once, not silently (a benchmark
+    once reported K 31 while its device drafted 16), and no draft goes out longer."""
+    table = cycle(1, 2, 3, 1)
+    for server_max, told in ((3, ["the server takes drafts of at most 3 tokens: drafting up to 3 a round, not 6"]),
+                             (8, [])):
+        statuses: list[str] = []
+        client = FakeClient(0, 0.001, max_tokens=30, target=table, server_max=server_max)
+        result = asyncio.run(generate(client, TableDrafter(table), TOKENIZER, PROMPT, max_tokens=30,
+                                      on_status=statuses.append,
+                                      policy=DraftPolicy(draft_tokens=6, adaptive=adaptive, max_draft_tokens=6)))
+        assert result.token_ids == greedy_chain(table, 30)
+        assert statuses == told
+        assert max(client.drafts) == min(server_max, 6)
 
 
 def held_at_two():
