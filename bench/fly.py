@@ -42,6 +42,13 @@ def cut(text: str) -> str:
     return text[:min(ends)] if ends else text
 
 
+def written(text: str) -> str:
+    """A completion with the stop sequence that ended it: the text a mode chose, scored by the log-likelihood. An
+    empty completion is a choice too (to stop at once), so every item has a text in every mode."""
+    ends = [(i, i + len(s)) for i, s in ((text.find(s), s) for s in STOPS) if i >= 0]
+    return text[:min(ends)[1]] if ends else text
+
+
 # Runs in the sandbox's Python before the program (read from stdin): limits set there, not in a preexec_fn, so
 # that the child is spawned without a fork of this process (whose gRPC threads would object).
 SANDBOX = (
@@ -139,11 +146,22 @@ def check_exact(task_id: str, target_completion: str, exact_completion: str) -> 
                             f"target: {target_completion!r}\nexact:  {exact_completion!r}")
 
 
+def scored_items(rows: list[dict]) -> set[str]:
+    """The items with a log-likelihood in every mode: each mode's mean is taken over the same items, so the
+    comparison is paired (means over different items would compare texts written for different prompts)."""
+    modes_with: dict[str, set[str]] = {}
+    for r in rows:
+        if r["log_likelihood"] is not None:
+            modes_with.setdefault(r["task_id"], set()).add(r["mode"])
+    return {task for task, modes in modes_with.items() if modes == set(MODES)}
+
+
 def summary(rows: list[dict], mode: str) -> dict:
     mine = [r for r in rows if r["mode"] == mode]
     rounds = sum(r["rounds"] for r in mine)
     tokens = sum(r["tokens"] for r in mine)
-    lls = [r["log_likelihood"] for r in mine if r["log_likelihood"] is not None]
+    scored = scored_items(rows)
+    lls = [r["log_likelihood"] for r in mine if r["task_id"] in scored]
     return {
         "mode": mode,
         "pass_at_1": sum(r["passed"] for r in mine) / len(mine),
@@ -154,6 +172,7 @@ def summary(rows: list[dict], mode: str) -> dict:
         "verifications_per_token": rounds / tokens,
         "target_tokens_per_token": (rounds + sum(r["drafted"] for r in mine)) / tokens,
         "mean_log_likelihood": statistics.fmean(lls) if lls else float("nan"),
+        "log_likelihood_items": len(lls),
     }
 
 
@@ -181,11 +200,12 @@ def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
     if by["target"]["pass_at_1"] < MEANINGFUL_SCORE:
         goals.append(f"- the target solves {100 * by['target']['pass_at_1']:.1f}% of the items: too few for a point "
                      f"of score to mean anything, so the goal is the target's mean log-likelihood of FLy's "
-                     f"completions against its greedy ones: {100 * ll_change:+.2f}% (goal within 2%); score "
+                     f"completions against its greedy ones: {100 * ll_change:+.2f}% (goal within 2%; over the "
+                     f"{by['target']['log_likelihood_items']} items with a text in every mode); score "
                      f"{points:+.1f} points")
     else:
         goals.append(f"- score, FLy against the target: {points:+.1f} points (goal within 1); mean log-likelihood "
-                     f"{100 * ll_change:+.2f}%")
+                     f"{100 * ll_change:+.2f}% (over {by['target']['log_likelihood_items']} items)")
     goals.append(f"- exact SLED's {n} completions equal the target's (checked item by item)")
     return "\n".join(lines) + "\n\n" + "\n".join(goals), sums
 
@@ -246,7 +266,8 @@ def main(args) -> int:
                                                   policy_for(mode, args)))
                     completion = cut(result.text)
                     done[mode] = completion
-                    ll = mean_log_likelihood(target, prompt_ids, cut_tokens(tokenizer, result.token_ids, completion))
+                    ll = mean_log_likelihood(target, prompt_ids,
+                                             cut_tokens(tokenizer, result.token_ids, written(result.text)))
                     rows.append({"task_id": problem["task_id"], "mode": mode, "completion": completion,
                                  "passed": passes(problem, completion, args.test_timeout),
                                  "differs": completion != done["target"], "rounds": result.rounds,
@@ -282,6 +303,7 @@ def main(args) -> int:
         f"stop sequences; tests run in a sandboxed subprocess ({args.test_timeout:g} s); one device, items one after "
         "another\n- mean acceptance length = 1 + accepted / rounds; verifications / token = rounds / committed "
         "tokens; target tokens / token = (drafted + rounds) / committed tokens; mean log-likelihood: the target's, "
-        "per token of each mode's cut completions\n\n" + table + "\n")
+        "per token of each mode's completion and the stop sequence that ended it, averaged over the same items in "
+        "every mode\n\n" + table + "\n")
     publish(args.markdown, marker, section, args.json, {"summary": sums, "items": rows})
     return 0

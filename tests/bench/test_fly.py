@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.fly import TargetChanged, check_exact, cut, passes, problems, report
+from bench.fly import TargetChanged, check_exact, cut, passes, problems, report, written
 
 GOOD = ("    for i in range(len(numbers)):\n        for j in range(i + 1, len(numbers)):\n"
         "            if abs(numbers[i] - numbers[j]) < threshold:\n                return True\n    return False\n")
@@ -23,6 +23,13 @@ def test_a_completion_is_cut_at_the_first_stop_sequence():
     assert cut("    return 1\n\ndef helper():\n    pass\n") == "    return 1\n"
     assert cut("    x = 1\n    return x\nprint(f(2))\n# done") == "    x = 1\n    return x"
     assert cut("    return 2\n") == "    return 2\n"
+
+
+def test_the_scored_text_keeps_the_stop_sequence_that_ended_it():
+    assert written("    return 1\n\ndef helper():\n    pass\n") == "    return 1\n\ndef"
+    assert written("    x = 1\n    return x\nprint(f(2))\n# done") == "    x = 1\n    return x\nprint"
+    assert written("\n# nothing written") == "\n#"  # an empty completion still has a text: stopping at once
+    assert written("    return 2\n") == "    return 2\n"
 
 
 def test_the_sandbox_passes_a_right_answer_and_fails_a_wrong_one_a_hang_and_a_big_file(first, tmp_path):
@@ -41,7 +48,7 @@ def test_exact_sled_differing_from_the_target_stops_the_command():
 
 
 def rows(mode, passed, accepted, rounds, ll, loose=0, differs=0):
-    return [{"mode": mode, "passed": i < passed, "differs": i < differs, "rounds": rounds, "drafted": 8 * rounds,
+    return [{"task_id": f"HumanEval/{i}", "mode": mode, "passed": i < passed, "differs": i < differs, "rounds": rounds, "drafted": 8 * rounds,
              "accepted": accepted, "loose": loose, "tokens": rounds + accepted, "elapsed_s": 1.0,
              "log_likelihood": ll} for i in range(10)]
 
@@ -58,7 +65,22 @@ def test_the_report_reads_the_goals_off_the_summary():
     # a target that solves none: the log-likelihood is the goal
     low = rows("target", 0, 0, 40, -0.5) + rows("exact", 0, 20, 10, -0.5) + rows("fly", 0, 30, 10, -0.505)
     text, _ = report(low, args, 10)
-    assert "too few for a point of score to mean anything" in text and "-1.00% (goal within 2%)" in text
+    assert "too few for a point of score to mean anything" in text and "-1.00% (goal within 2%; over the 10" in text
+
+
+def test_the_log_likelihoods_compared_are_of_the_same_items():
+    """An item without a text in one mode leaves every mode's mean: FLy's mean over items the target has no text for
+    is no comparison with the target's."""
+    args = argparse.Namespace(draft_tokens=8, fly_window=6, fly_entropy_threshold=0.3)
+    target, exact, fly = rows("target", 0, 0, 40, -0.5), rows("exact", 0, 20, 10, -0.5), rows("fly", 0, 30, 10, -0.5)
+    for r in target[:3] + exact[:3]:
+        r["log_likelihood"] = None
+    for r in fly[:3]:
+        r["log_likelihood"] = -0.1  # likely texts where the target wrote none: left out, not counted in FLy's favour
+    fly[3]["log_likelihood"] = -0.57  # one item of the seven compared a lot less likely
+    text, sums = report(target + exact + fly, args, 10)
+    assert "+0.00%" not in text and "-2.00% (goal within 2%; over the 7 items with a text in every mode)" in text
+    assert [s["log_likelihood_items"] for s in sums] == [7, 7, 7]
 
 
 @pytest.mark.model
@@ -76,4 +98,5 @@ def test_the_command_runs_two_items_three_ways_and_writes_its_section(tmp_path):
     for task in ("HumanEval/0", "HumanEval/1"):
         assert by[task, "exact"]["completion"] == by[task, "target"]["completion"]
         assert by[task, "target"]["rounds"] == by[task, "target"]["tokens"]  # the server decoded every token
+    assert all(r["log_likelihood"] is not None for r in items)  # an empty completion's text is its stop sequence
     assert "exact SLED's 2 completions equal the target's" in md.read_text()
