@@ -331,14 +331,14 @@ def test_no_token_is_drafted_past_the_request_end(adaptive):
 
 
 def test_the_first_draft_is_made_while_the_session_opens():
-    """The server prefills the prompt while the device drafts its first round: the fake open waits (up to 2 s) for
-    the drafter to have proposed; drafting only after the open returned would make it wait the whole time."""
+    """The server prefills the prompt while the device drafts its first round: the fake open waits for the drafter
+    to have proposed; a device drafting only after the open returned would leave it waiting out its 60 s and find
+    nothing proposed."""
     import threading
-    import time
 
     table = cycle(1, 2, 3, 1)
     proposed = threading.Event()
-    waited = []
+    seen = []  # whether the open saw a proposal while it was open
 
     class Drafter(TableDrafter):
         def propose(self, context, k, stop=None):
@@ -348,9 +348,7 @@ def test_the_first_draft_is_made_while_the_session_opens():
 
     class SlowOpen(FakeClient):
         async def open(self, msg, timeout=None, wait_for_ready=True):
-            t0 = time.perf_counter()
-            await asyncio.to_thread(proposed.wait, 2.0)
-            waited.append(time.perf_counter() - t0)
+            seen.append(await asyncio.to_thread(proposed.wait, 60.0))
             return await super().open(msg, timeout, wait_for_ready)
 
     async def main():
@@ -360,7 +358,7 @@ def test_the_first_draft_is_made_while_the_session_opens():
         return drafter, result
 
     drafter, result = asyncio.run(main())
-    assert proposed.is_set() and waited[0] < 1.0
+    assert seen == [True]
     assert result.token_ids == greedy_chain(table, 20)
     assert result.accepted_tokens == result.draft_tokens  # the early draft went out as drafted, nothing lost
     assert drafter.proposed == result.draft_tokens
