@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import statistics
@@ -156,6 +157,17 @@ def scored_items(rows: list[dict]) -> set[str]:
     return {task for task, modes in modes_with.items() if modes == set(MODES)}
 
 
+def log_likelihood_change(rows: list[dict]) -> tuple[float, float]:
+    """FLy's mean log-likelihood against the target's, relative to the target's, and the half-width of its 95%
+    interval (normal, from the items' paired differences): how far 100 items pin the change down."""
+    scored = scored_items(rows)
+    ll = {(r["task_id"], r["mode"]): r["log_likelihood"] for r in rows if r["task_id"] in scored}
+    diffs = [ll[t, "fly"] - ll[t, "target"] for t in sorted(scored)]
+    base = abs(statistics.fmean(ll[t, "target"] for t in scored))
+    spread = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return statistics.fmean(diffs) / base, 1.96 * spread / base
+
+
 def summary(rows: list[dict], mode: str) -> dict:
     mine = [r for r in rows if r["mode"] == mode]
     rounds = sum(r["rounds"] for r in mine)
@@ -191,8 +203,10 @@ def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
                      f"{s['mean_log_likelihood']:.4f} |")
     gain = by["fly"]["mean_acceptance_length"] / by["exact"]["mean_acceptance_length"]
     points = 100 * (by["fly"]["pass_at_1"] - by["target"]["pass_at_1"])
-    ll_change = (by["fly"]["mean_log_likelihood"] - by["target"]["mean_log_likelihood"]) / abs(
-        by["target"]["mean_log_likelihood"])
+    ll_change, ll_spread = log_likelihood_change(rows)
+    ll_text = (f"{100 * ll_change:+.2f}% (95% interval {100 * (ll_change - ll_spread):+.2f}% to "
+               f"{100 * (ll_change + ll_spread):+.2f}% over the {by['target']['log_likelihood_items']} items with a "
+               "text in every mode")
     exact_length, k = by["exact"]["mean_acceptance_length"], args.draft_tokens
     goals = [f"- mean acceptance length, FLy / exact: {gain:.2f}x (goal at least 1.25x; a round commits at most K + 1 "
              f"= {k + 1} tokens, so no rule passes {(k + 1) / exact_length:.2f}x over exact's {exact_length:.2f} "
@@ -200,12 +214,10 @@ def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
     if by["target"]["pass_at_1"] < MEANINGFUL_SCORE:
         goals.append(f"- the target solves {100 * by['target']['pass_at_1']:.1f}% of the items: too few for a point "
                      f"of score to mean anything, so the goal is the target's mean log-likelihood of FLy's "
-                     f"completions against its greedy ones: {100 * ll_change:+.2f}% (goal within 2%; over the "
-                     f"{by['target']['log_likelihood_items']} items with a text in every mode); score "
-                     f"{points:+.1f} points")
+                     f"completions against its greedy ones: {ll_text}; goal within 2%); score {points:+.1f} points")
     else:
         goals.append(f"- score, FLy against the target: {points:+.1f} points (goal within 1); mean log-likelihood "
-                     f"{100 * ll_change:+.2f}% (over {by['target']['log_likelihood_items']} items)")
+                     f"{ll_text})")
     goals.append(f"- exact SLED's {n} completions equal the target's (checked item by item)")
     return "\n".join(lines) + "\n\n" + "\n".join(goals), sums
 

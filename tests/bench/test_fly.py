@@ -60,12 +60,12 @@ def test_the_report_reads_the_goals_off_the_summary():
     text, sums = report(all_rows, args, 10)
     assert ("mean acceptance length, FLy / exact: 1.33x (goal at least 1.25x; a round commits at most K + 1 = 9 "
             "tokens, so no rule passes 3.00x over exact's 3.00 with this pair)") in text
-    assert "score, FLy against the target: -10.0 points (goal within 1); mean log-likelihood -2.00%" in text
+    assert "score, FLy against the target: -10.0 points (goal within 1); mean log-likelihood -2.00% (95% interval" in text
     assert "| FLy, K 8, W 6, 0.3 nats | 40.0% | 2 / 10 | 4.00 | 30 | 40.0 |" in text
     # a target that solves none: the log-likelihood is the goal
     low = rows("target", 0, 0, 40, -0.5) + rows("exact", 0, 20, 10, -0.5) + rows("fly", 0, 30, 10, -0.505)
     text, _ = report(low, args, 10)
-    assert "too few for a point of score to mean anything" in text and "-1.00% (goal within 2%; over the 10" in text
+    assert "too few for a point of score to mean anything" in text and "-1.00% (95% interval" in text
 
 
 def test_the_log_likelihoods_compared_are_of_the_same_items():
@@ -79,7 +79,10 @@ def test_the_log_likelihoods_compared_are_of_the_same_items():
         r["log_likelihood"] = -0.1  # likely texts where the target wrote none: left out, not counted in FLy's favour
     fly[3]["log_likelihood"] = -0.57  # one item of the seven compared a lot less likely
     text, sums = report(target + exact + fly, args, 10)
-    assert "+0.00%" not in text and "-2.00% (goal within 2%; over the 7 items with a text in every mode)" in text
+    # the seven differences: 0 six times and -0.07; their mean -0.01 is -2.00% of -0.5, give or take
+    # 1.96 * 0.0265 / sqrt(7) / 0.5 = 3.92%
+    assert ("-2.00% (95% interval -5.92% to +1.92% over the 7 items with a text in every mode; goal within 2%)"
+            in text)
     assert [s["log_likelihood_items"] for s in sums] == [7, 7, 7]
 
 
