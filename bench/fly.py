@@ -157,10 +157,9 @@ def scored_items(rows: list[dict]) -> set[str]:
     return {task for task, modes in modes_with.items() if modes == set(MODES)}
 
 
-def log_likelihood_change(rows: list[dict]) -> tuple[float, float]:
-    """FLy's mean log-likelihood against the target's, relative to the target's, and the half-width of its 95%
-    interval (normal, from the items' paired differences): how far 100 items pin the change down."""
-    scored = scored_items(rows)
+def log_likelihood_change(rows: list[dict], scored: set[str]) -> tuple[float, float]:
+    """FLy's mean log-likelihood against the target's over the `scored` items, relative to the target's, and the
+    half-width of its 95% interval (normal, from the items' paired differences): how far 100 items pin it down."""
     ll = {(r["task_id"], r["mode"]): r["log_likelihood"] for r in rows if r["task_id"] in scored}
     diffs = [ll[t, "fly"] - ll[t, "target"] for t in sorted(scored)]
     base = abs(statistics.fmean(ll[t, "target"] for t in scored))
@@ -168,11 +167,11 @@ def log_likelihood_change(rows: list[dict]) -> tuple[float, float]:
     return statistics.fmean(diffs) / base, 1.96 * spread / base
 
 
-def summary(rows: list[dict], mode: str) -> dict:
+def summary(rows: list[dict], mode: str, scored: set[str]) -> dict:
+    """One mode's figures; its mean log-likelihood over the `scored` items (scored_items)."""
     mine = [r for r in rows if r["mode"] == mode]
     rounds = sum(r["rounds"] for r in mine)
     tokens = sum(r["tokens"] for r in mine)
-    scored = scored_items(rows)
     lls = [r["log_likelihood"] for r in mine if r["task_id"] in scored]
     return {
         "mode": mode,
@@ -189,7 +188,8 @@ def summary(rows: list[dict], mode: str) -> dict:
 
 
 def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
-    sums = [summary(rows, m) for m in MODES]
+    scored = scored_items(rows)
+    sums = [summary(rows, m, scored) for m in MODES]
     by = {s["mode"]: s for s in sums}
     names = {"target": "target alone", "exact": f"exact SLED, K {args.draft_tokens}",
              "fly": f"FLy, K {args.draft_tokens}, W {args.fly_window}, {args.fly_entropy_threshold:g} nats"}
@@ -203,7 +203,7 @@ def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
                      f"{s['mean_log_likelihood']:.4f} |")
     gain = by["fly"]["mean_acceptance_length"] / by["exact"]["mean_acceptance_length"]
     points = 100 * (by["fly"]["pass_at_1"] - by["target"]["pass_at_1"])
-    ll_change, ll_spread = log_likelihood_change(rows)
+    ll_change, ll_spread = log_likelihood_change(rows, scored)
     ll_text = (f"{100 * ll_change:+.2f}% (95% interval {100 * (ll_change - ll_spread):+.2f}% to "
                f"{100 * (ll_change + ll_spread):+.2f}% over the {by['target']['log_likelihood_items']} items with a "
                "text in every mode")
@@ -288,7 +288,7 @@ def main(args) -> int:
                                  "elapsed_s": result.elapsed_s, "log_likelihood": ll})
                 check_exact(problem["task_id"], done["target"], done["exact"])
                 if (i + 1) % 10 == 0 or i + 1 == len(items):
-                    sums = {m: summary(rows, m) for m in MODES}
+                    sums = {m: summary(rows, m, set()) for m in MODES}  # pass@1 and lengths only
                     print(f"[bench] {i + 1}/{len(items)} items: pass@1 target {sums['target']['pass_at_1']:.2f}, "
                           f"FLy {sums['fly']['pass_at_1']:.2f}; mean acceptance length exact "
                           f"{sums['exact']['mean_acceptance_length']:.2f}, FLy "
