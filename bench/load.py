@@ -107,6 +107,8 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
                 r = await generate(own or client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens,
                                    policy=policy, controller=controller,
                                    should_stop=lambda: time.perf_counter() >= end)
+                if not r.token_ids and time.perf_counter() >= end:
+                    break  # the window ended before this request reached the server: it was never made
                 inside = [start <= t < end for t in drafter.commits]
                 for key, per_round in (("rounds", zip(drafter.commits, r.round_tokens, r.round_times)),
                                        ("steps", r.round_steps), ("replies", r.round_replies),

@@ -125,6 +125,33 @@ def test_the_window_opens_only_once_every_device_has_committed(tiny_server, toke
     assert min(times) >= t0 + w.opened_s
 
 
+def test_a_request_the_window_ended_before_it_reached_the_server_is_not_counted(tiny_server, tokenizer):
+    """A request that starts just before the window's end and is stopped before its Open (its drafter's set-up outlasted
+    the window) never reached the server: it is not one of the window's requests."""
+    from bench.load import run_window
+    from bench.replay import ReplayDrafter, greedy_outputs, prompts
+
+    ids = prompts(tokenizer, 1)
+    fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)
+    table = {n: fulls[0][n:n + 4] for n in range(len(ids[0]), len(fulls[0]))}
+    made = []
+
+    class SlowSetUp(ReplayDrafter):
+        def begin(self, context, sampling=None):
+            if made.index(self):  # every request after the first sets up past the window's end
+                time.sleep(1.0)
+            return super().begin(context, sampling)
+
+    def make(p):
+        made.append(SlowSetUp(table, 0.0, fulls[0]))
+        return made[-1]
+
+    w = run(run_window(tiny_server.address, tokenizer, make, ids, 1, 8, DraftPolicy(draft_tokens=4, adaptive=False),
+                       0.1, 0.5))
+    assert len(made) == 2  # the second request started inside the window and was stopped at its end
+    assert len(w.results) == 1 and w.results[0].token_ids
+
+
 def test_over_a_link_sled_pays_the_round_trip_each_round_and_server_only_once_a_request(tiny_server, tokenizer):
     """sled-bench system --link: every device reaches the server through the relay process (25 ms each way here). A SLED
     device pays the round trip each round. A server-only device pays it once a request, for its Open: the server
