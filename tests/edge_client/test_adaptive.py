@@ -148,22 +148,65 @@ def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_r
     assert fresh[:2] == [8, 8]
 
 
-def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_ahead_is_done():
-    """The verdict comes after 5 ms while the drafter spends 200 ms on each token it drafts ahead: the round trip
-    the controller learns is the server's, not the server's plus the rest of the token in progress (which would
-    make it about 200 ms; the bound leaves room for a loaded machine's scheduling, which once took a bound of
-    40 ms against a 60 ms token)."""
+def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_ahead_is_done(monkeypatch):
+    """Each token drafted ahead costs 200 ms on a clock the test moves, and a token in progress when its round's verdict
+    comes ends only after the device has taken that verdict in. The round trip the controller learns is the server's
+    (no time on that clock), not the server's plus the rest of the token in progress (200 ms). The device waits for
+    that token before its next round (answer_at_once off), so no later round's flight holds it either."""
     import asyncio
+    import threading
     import time as clock
+    from types import SimpleNamespace
 
-    from edge_client.generation import generate
-    from tests.edge_client.test_draft_ahead import P_GREEDY, PROMPT, TOKENIZER, FakeClient, TableDrafter, cycle
+    from edge_client import draft_ahead, generation
+    from tests.edge_client.test_draft_ahead import (P_GREEDY, PROMPT, TOKENIZER, FakeClient, FakeSession,
+                                                    TableDrafter, cycle)
 
-    class Slow(TableDrafter):
-        def propose(self, context, k, stop=None):
-            clock.sleep(0.2 * k)
-            return super().propose(context, k, stop)
+    now, came, taken = [0.0], [0], [0]  # the clock; verdicts come, verdicts the device has timed
+    moved = threading.Condition()
 
+    def perf_counter():  # the device's first reading after a verdict comes is its arrival time
+        with moved:
+            if came[0] > taken[0]:
+                taken[0] = came[0]
+                moved.notify_all()
+            return now[0]
+
+    monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=perf_counter, monotonic=clock.monotonic))
+
+    class Sent(FakeSession):
+        async def verify(self, round_, proposal):
+            verdict = await super().verify(round_, proposal)
+            came[0] += 1
+            return verdict
+
+    class Client(FakeClient):
+        async def open(self, msg, timeout=None, wait_for_ready=True):
+            session = await super().open(msg, timeout, wait_for_ready)
+            session.__class__ = Sent
+            return session
+
+    held = []  # per token drafted ahead before its verdict came: whether it was in progress when the device took it in
+    thread = threading.local()  # the drafting thread's: verdicts taken in when it began drafting past a draft sent
+    step, draft_until = draft_ahead.step_ahead, draft_ahead.DraftAhead._draft_until
+
+    def drafting_ahead(self, *args):
+        thread.began = taken[0]
+        try:
+            return draft_until(self, *args)
+        finally:
+            thread.began = None
+
+    def slow_step(drafter, context, limit):
+        with moved:
+            began = getattr(thread, "began", None)
+            if began is not None and taken[0] == began:  # its verdict not in yet: it ends after the device takes it in
+                held.append(moved.wait_for(lambda: taken[0] > began, timeout=30))
+            now[0] += 0.2
+        return step(drafter, context, limit)
+
+    monkeypatch.setattr(draft_ahead.DraftAhead, "_draft_until", drafting_ahead)
+    monkeypatch.setattr(draft_ahead, "step_ahead", slow_step)
     seen: list[RoundSample] = []
 
     class Watching(AdaptiveDraftLength):
@@ -171,10 +214,12 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
             seen.append(sample)
             super().observe(sample)
 
-    asyncio.run(generate(FakeClient(0, 0.005, max_tokens=8, target=P_GREEDY), Slow(cycle(2, 3, 1, 0)), TOKENIZER,
-                         PROMPT, max_tokens=8, controller=Watching(k_max=2, k_initial=2, ahead=True),
-                         policy=DraftPolicy(draft_ahead=True)))
-    assert seen and all(s.rtt_s < 0.1 for s in seen), [round(s.rtt_s, 3) for s in seen]
+    asyncio.run(generation.generate(Client(0, 0.05, max_tokens=8, target=P_GREEDY), TableDrafter(cycle(2, 3, 1, 0)),
+                                    TOKENIZER, PROMPT, max_tokens=8,
+                                    controller=Watching(k_max=2, k_initial=2, ahead=True),
+                                    policy=DraftPolicy(draft_ahead=True, answer_at_once=False)))
+    assert held and all(held)  # tokens were drafted ahead, each in progress when its verdict came
+    assert seen and all(s.rtt_s == 0.0 for s in seen), [round(s.rtt_s, 3) for s in seen]
 
 
 def test_the_controller_learns_the_step_time_and_the_queue_wait_each_verdict_reports():
