@@ -118,6 +118,30 @@ def median_run(name: str, label: str, done: list[dict]) -> dict:
                                              "runs_tokens_per_s": [r["tokens_per_s"] for r in done]}
 
 
+class Paced:
+    """A drafter run as on a device `factor` times slower than this host: each call the device makes of it (begin,
+    propose, a stacked drafter's step_ahead, accept) is padded to `factor` times its time here by sleeping, so the
+    pad takes no CPU from the verify server, as a separate device's drafting would not. Its tokens are the drafter's."""
+
+    PACED = ("begin", "propose", "step_ahead", "accept")
+
+    def __init__(self, drafter, factor: float, clock=time.perf_counter, sleep=time.sleep):
+        self.drafter, self.factor, self.clock, self.sleep = drafter, factor, clock, sleep
+
+    def __getattr__(self, name):
+        attr = getattr(self.drafter, name)
+        if name not in self.PACED:
+            return attr
+
+        def paced(*args, **kwargs):
+            start = self.clock()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.sleep((self.factor - 1.0) * (self.clock() - start))
+        return paced
+
+
 def check_cost(kind: str, options: DrafterOptions, k: int, reps: int = 15) -> float:
     """What one forward of k tokens (a stacked round's check: the context's last token and k - 1 guesses) costs a
     model drafter on this host, in its own one-token steps (medians of `reps`)."""
@@ -173,9 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated quantizations the Q4_1 drafter is requantized to, one row each, e.g. "
                         "q2_k,q4_0,q8_0,iq4_nl: a weaker drafter (q2_k), or another format to draft in (default q2_k)")
     p.add_argument("--no-onnx", dest="onnx", action="store_false", help="leave the ONNX drafter out")
+    p.add_argument("--device-pace", type=at_least_one, default=1.0, metavar="F",
+                   help="run every drafter as on a device F times slower than this host (each drafter call padded "
+                        "to F times its time by sleeping, which takes no CPU from the server); F above 1 writes its "
+                        "own section (default 1: this host's pace)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     return p
+
+
+def at_least_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0:  # also NaN and not a number
+        raise argparse.ArgumentTypeError(f"must be at least 1 (a device as fast as this host), not {text}")
+    return value
+
+
+def marker(pace: float) -> str:
+    return MARKER if pace == 1.0 else f"## Drafters on a device drafting {pace:g}x slower than this host: acceptance on " \
+        "repetitive, edit and free text"
 
 
 def drafters(args, work: Path) -> tuple[dict, dict]:
@@ -230,8 +273,9 @@ def main(args) -> int:
                         print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text ...", end=" ",
                               flush=True)
                         d = create_drafter(kind, opts)
+                        paced = d if args.device_pace == 1.0 else Paced(d, args.device_pace)
                         try:
-                            row = asyncio.run(run_set(address, tokenizer, d, prompts, args.max_tokens,
+                            row = asyncio.run(run_set(address, tokenizer, paced, prompts, args.max_tokens,
                                                       args.draft_tokens))
                         finally:
                             d.close()
@@ -256,17 +300,22 @@ def main(args) -> int:
     table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *ceilings])
     print("\n" + table)
     section = (
-        f"{MARKER}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{marker(args.device_pace)}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: SmolLM2-135M-Instruct (float32, torch); greedy; K = {args.draft_tokens}; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
         f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions, chat "
         f"template; one device, prompts one after another, one drafter instance a set; {args.repeats} runs of each, "
         "interleaved, and the run of median device tok/s shown\n"
-        "- copied = the share of the answers' tokens that prompt lookup's first guess predicts from the prompt and "
+        + ("" if args.device_pace == 1.0 else
+           f"- the device drafts {args.device_pace:g}x slower than this host: each drafter call (begin, propose, a "
+           f"stacked drafter's step ahead, accept) is padded to {args.device_pace:g} times its time here by sleeping, "
+           "taking no CPU from the server, whose pace is this host's; a forward's cost in one-token steps is this "
+           "host's\n")
+        +         "- copied = the share of the answers' tokens that prompt lookup's first guess predicts from the prompt and "
         "the answer before them (the same for every drafter: greedy answers are the target's)\n"
         "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
         "propose nothing when they find no match, so their drafted / round is below K\n\n"
         + table + "\n")
-    publish(args.markdown, MARKER, section, args.json, rows)
+    publish(args.markdown, marker(args.device_pace), section, args.json, rows)
     return 0

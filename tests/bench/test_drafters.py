@@ -37,3 +37,42 @@ def test_a_row_is_the_run_of_median_speed():
     row = median_run("stacked", "edit", done)
     assert (row["tokens_per_s"], row["checks"], row["drafter"], row["text"]) == (20.0, 3, "stacked", "edit")
     assert row["runs_tokens_per_s"] == [30.0, 10.0, 20.0]
+
+
+def test_a_paced_drafter_pads_each_device_call_to_its_factor_and_drafts_the_same_tokens():
+    """--device-pace: a call that took 2 units here sleeps 4 more at pace 3; attributes pass through unpadded, and a
+    drafter without step_ahead has none through the proxy either (drafting ahead then asks propose)."""
+    from bench.drafters import Paced
+    from edge_client.drafters.base import Proposal
+
+    class Drafter:
+        checks = 7
+
+        def propose(self, context, k, stop=None):
+            now[0] += 2.0
+            return Proposal(context[-1:] * k)
+
+        def accept(self, context, ahead=()):
+            now[0] += 0.5
+
+    now, slept = [0.0], []
+    paced = Paced(Drafter(), 3.0, clock=lambda: now[0], sleep=slept.append)
+    assert paced.propose([1, 2, 5], 3).token_ids == [5, 5, 5]
+    paced.accept([1, 2, 5])
+    assert slept == [4.0, 1.0]
+    assert paced.checks == 7 and getattr(paced, "step_ahead", None) is None
+    assert slept == [4.0, 1.0]
+
+
+def test_the_device_pace_is_checked_and_names_its_own_section():
+    import argparse
+
+    import pytest
+
+    from bench.drafters import MARKER, at_least_one, marker
+
+    assert at_least_one("2.5") == 2.5 and marker(1.0) == MARKER
+    assert MARKER not in marker(3.0) and "3x slower" in marker(3.0)
+    for bad in ("0.5", "nan", "-1", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+            at_least_one(bad)
