@@ -217,8 +217,11 @@ def at_least_one(text: str) -> float:
 
 
 def marker(pace: float) -> str:
-    return MARKER if pace == 1.0 else f"## Drafters on a device drafting {pace:g}x slower than this host: acceptance on " \
-        "repetitive, edit and free text"
+    """The section's heading: a paced run's is its own (and not one the plain heading is part of)."""
+    if pace == 1.0:
+        return MARKER
+    return (f"## Drafters on a device drafting {pace:g}x slower than this host: acceptance on repetitive, edit and free "
+            "text")
 
 
 def drafters(args, work: Path) -> tuple[dict, dict]:
@@ -312,7 +315,7 @@ def main(args) -> int:
            f"stacked drafter's step ahead, accept) is padded to {args.device_pace:g} times its time here by sleeping, "
            "taking no CPU from the server, whose pace is this host's; a forward's cost in one-token steps is this "
            "host's\n")
-        +         "- copied = the share of the answers' tokens that prompt lookup's first guess predicts from the prompt and "
+        + "- copied = the share of the answers' tokens that prompt lookup's first guess predicts from the prompt and "
         "the answer before them (the same for every drafter: greedy answers are the target's)\n"
         "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
         "propose nothing when they find no match, so their drafted / round is below K\n\n"

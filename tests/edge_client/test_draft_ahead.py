@@ -677,7 +677,8 @@ def mid_token(monkeypatch):
             link._ready(round_)  # it drafted nothing ahead, or its thread is done
 
     def drafting_until(self, base, limit, arrived, *args):
-        thread.link, thread.round, thread.n, thread.arrived = self.gen.drafter.link, self.gen.drafter.link.out, 0, arrived
+        thread.link, thread.n, thread.arrived = self.gen.drafter.link, 0, arrived
+        thread.round = thread.link.out
         return draft_until(self, base, limit, arrived, *args)
 
     def stepping(drafter, context, limit):
