@@ -52,6 +52,20 @@ def positive(kind=float):
     return parse
 
 
+def at_least(floor: float):
+    """An argparse type: a number of at least `floor` (NaN refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a number at least {floor:g}, got {text!r}") from None
+        if not value >= floor:
+            raise argparse.ArgumentTypeError(f"must be at least {floor:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]

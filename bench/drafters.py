@@ -26,7 +26,7 @@ from edge_client.policy import DraftPolicy
 from edge_client.tokenizer import Tokenizer
 from edge_client.transport import VerifierClient
 
-from .cli import positive
+from .cli import at_least, positive
 from .processes import ServerProcess
 from .report import machine, publish
 
@@ -206,14 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def at_least_one(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 1.0:  # also NaN and not a number
-        raise argparse.ArgumentTypeError(f"must be at least 1 (a device as fast as this host), not {text}")
-    return value
+at_least_one = at_least(1.0)  # --device-pace: 1 is a device as fast as this host
 
 
 def marker(pace: float) -> str:
