@@ -437,20 +437,21 @@ def test_a_carried_spare_keeps_each_tokens_q():
     assert sum(r.ahead_tokens for r in results) > 100  # drafts went out from carries
 
 
-def test_each_round_times_the_reply_to_the_verdict_before_it():
+def test_each_round_times_the_reply_to_the_verdict_before_it(mid_token):
     """round_replies: per verified round, the ms from the previous verdict's arrival to this draft going out, and the
     part of it spent finishing the token being drafted ahead when that verdict came (nan for a session's first
-    round). A drafter taking 20 ms a token against a server answering in 3 ms: the verdict always comes during the
-    first token drafted ahead, so the device finishes it first, about 17 ms; waiting instead of drafting ahead, it
-    finishes nothing."""
+    round). A drafter taking 20 ms a token, each verdict held until it is on its first token drafted ahead and that
+    token until the verdict is in (MidToken): the device finishes it first, about 20 ms; waiting instead of drafting
+    ahead, it finishes nothing."""
     class Slow(TableDrafter):
         def _eval(self, tokens):
             time.sleep(0.02 * len(tokens))
             return super()._eval(tokens)
 
     async def main(ahead):
-        return await generate(FakeClient(0, 0.003, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY),
-                              TOKENIZER, PROMPT, max_tokens=16,
+        client, drafter = Linked(0, 0.0, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY)
+        client.link = drafter.link = MidToken(held=lambda round_: 1)
+        return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=16,
                               policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=ahead))
 
     for ahead in (True, False):
@@ -632,10 +633,11 @@ class MidToken:
     """Holds each verdict of a session until its device's drafting thread is on a token drafted ahead, and that token
     until the verdict has gone out, so that every verdict the device drafts ahead for comes mid-token, whatever the
     host's load: on the first token drafted ahead in even rounds (nothing drafted ahead yet to answer with), on the
-    second in odd ones (one). A round the device drafts nothing ahead for (the request's end, or a carry that covers
-    the next draft) is not held."""
+    second in odd ones (one), or on the token `held(round_)` names. A round the device drafts nothing ahead for (the
+    request's end, or a carry that covers the next draft) is not held."""
 
-    def __init__(self):
+    def __init__(self, held=lambda round_: 1 + round_ % 2):
+        self.held = held
         self.loop, self.changed = asyncio.get_running_loop(), asyncio.Event()
         self.cv = threading.Condition()
         self.out = 0  # verdicts sent
@@ -649,7 +651,7 @@ class MidToken:
     def on_token(self, round_: int, n: int, arrived: threading.Event) -> None:
         """The drafting thread of the round after `round_` verdicts starts its n-th token drafted ahead; held, it
         drafts that token once the device has the verdict (`arrived`), and no more."""
-        if n == 1 + round_ % 2:
+        if n == self.held(round_):
             self._ready(round_)
             with self.cv:
                 self.cv.wait_for(lambda: self.out > round_, timeout=30)
@@ -666,6 +668,15 @@ class MidToken:
             self.out += 1
             self.cv.notify_all()
         return verdict
+
+
+class Linked(FakeClient):
+    """A FakeClient whose sessions are held by the MidToken `link` (the mid_token fixture)."""
+
+    async def open(self, msg, timeout=None, wait_for_ready=True):
+        session = await super().open(msg, timeout, wait_for_ready)
+        session.link = self.link
+        return session
 
 
 @pytest.fixture
@@ -710,12 +721,6 @@ def test_drafts_answered_at_once_keep_the_target_distribution(seeded, mid_token)
     until the drafter is on a token drafted ahead: MidToken): each drafted token must still go out with the q it was
     drawn from at the context it is verified in (a token taken from a drafting thread that belongs to an earlier
     round, or a spare cut at the wrong place, fails that), and the text must follow P."""
-    class Linked(FakeClient):
-        async def open(self, msg, timeout=None, wait_for_ready=True):
-            session = await super().open(msg, timeout, wait_for_ready)
-            session.link = self.link
-            return session
-
     async def main():
         MISSENT.clear()
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=128))
