@@ -449,8 +449,8 @@ def test_each_round_times_the_reply_to_the_verdict_before_it(mid_token):
             return super()._eval(tokens)
 
     async def main(ahead):
-        client, drafter = Linked(0, 0.0, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY)
-        client.link = drafter.link = MidToken(held=lambda round_: 1)
+        client, drafter = mid_token(Linked(0, 0.0, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY),
+                                    held=lambda round_: 1)
         return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=16,
                               policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=ahead))
 
@@ -600,8 +600,8 @@ def test_answer_at_once_off_finishes_the_token_first(mid_token):
     ahead, past the bonus guess and one token to answer a hit with, and that token until the verdict is in: MidToken)
     waits for that token, and the drafts are K long."""
     async def main():
-        client, drafter = Linked(0, 0.0, max_tokens=40, target=cycle(1, 2, 3, 0)), SlowTable(cycle(1, 2, 3, 1), 0.01)
-        client.link = drafter.link = MidToken(held=lambda round_: 3)
+        client, drafter = mid_token(Linked(0, 0.0, max_tokens=40, target=cycle(1, 2, 3, 0)),
+                                    SlowTable(cycle(1, 2, 3, 1), 0.01), held=lambda round_: 3)
         return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=40, controller=held_at_two(),
                               policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, answer_at_once=False))
 
@@ -684,7 +684,8 @@ class Linked(FakeClient):
 
 @pytest.fixture
 def mid_token(monkeypatch):
-    """Every FakeSession, and its device's drafting ahead (through `drafter.link`), held by a MidToken."""
+    """Every FakeSession, and its device's drafting ahead (through `drafter.link`), held by a MidToken; it gives
+    `hold(client, drafter, held=...)`, which links a Linked client and its drafter to a new one."""
     from edge_client import draft_ahead
 
     thread = threading.local()
@@ -717,6 +718,13 @@ def mid_token(monkeypatch):
     monkeypatch.setattr(draft_ahead, "step_ahead", stepping)
     monkeypatch.setattr(FakeSession, "verify", held_verify)
 
+    def hold(client, drafter, **held):
+        """A Linked client and its drafter, held by one MidToken (made in the running loop: `held` as there)."""
+        client.link = drafter.link = MidToken(**held)
+        return client, drafter
+
+    return hold
+
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded-draws", "fresh-draws"])
 def test_drafts_answered_at_once_keep_the_target_distribution(seeded, mid_token):
@@ -730,8 +738,7 @@ def test_drafts_answered_at_once_keep_the_target_distribution(seeded, mid_token)
 
         async def one(i):
             sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
-            client, drafter = Linked(20_000 + i, 0.0), SlowTable(Q, 0.0005)
-            client.link = drafter.link = MidToken()
+            client, drafter = mid_token(Linked(20_000 + i, 0.0), SlowTable(Q, 0.0005))
             return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=N_TOKENS, sampling=sampling,
                                   controller=held_at_two(),
                                   policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
