@@ -481,19 +481,17 @@ class SlowTable(TableDrafter):
         return super()._eval(tokens)
 
 
-def _slow_cycle_run(queue_ms=0.0, hold=None, **options):
-    """40 greedy tokens from a 10 ms-a-token drafter that misses every fourth token, verdicts 25 ms after each draft
-    (or, given the mid_token fixture's `hold`, each held until the drafter is on its third token drafted ahead), the
-    adaptive controller held at K = 2; checks the text and the drafter's cache (no position evaluated twice with
-    the same token, nothing held off the committed text) and returns (drafter, result, each draft's length as the
-    server saw it)."""
-    client = (FakeClient if hold is None else Linked)(0, 0.025 if hold is None else 0.0, max_tokens=40,
-                                                      target=cycle(1, 2, 3, 0), queue_ms=queue_ms)
+def _slow_cycle_run(hold, queue_ms=0.0, **options):
+    """40 greedy tokens from a 10 ms-a-token drafter that misses every fourth token, the adaptive controller held at
+    K = 2, each verdict held until the drafter is on its third token drafted ahead (the bonus guess and one token to
+    answer a hit with) and that token until the verdict is in (`hold`: the mid_token fixture's); checks the text and
+    the drafter's cache (no position evaluated twice with the same token, nothing held off the committed text) and
+    returns (drafter, result, each draft's length as the server saw it)."""
+    client = Linked(0, 0.0, max_tokens=40, target=cycle(1, 2, 3, 0), queue_ms=queue_ms)
 
     async def main():
         drafter = SlowTable(cycle(1, 2, 3, 1), 0.01)
-        if hold is not None:
-            hold(client, drafter, held=lambda round_: 3)
+        hold(client, drafter, held=lambda round_: 3)
         result = await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=40, controller=held_at_two(),
                                 policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, **options))
         return drafter, result
@@ -506,16 +504,16 @@ def _slow_cycle_run(queue_ms=0.0, hold=None, **options):
     return drafter, result, client.drafts
 
 
-def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead():
+def test_a_verdict_is_answered_at_once_with_what_was_drafted_ahead(mid_token):
     """With the adaptive controller (held at K = 2, under a bound of 8) and drafting ahead, a verdict that comes while
-    the drafter is on a token drafted ahead (10 ms a token; each verdict 25 ms after its draft) is answered at once,
+    the drafter is on a token drafted ahead (10 ms a token; held there: MidToken) is answered at once,
     while the drafter finishes that token: after a hit (the whole draft accepted, the guessed bonus right) with the
     tokens drafted ahead, at most K; after a miss, with empty drafts off (empty_after_miss=None, next test), the
     device drafts K afresh. Finishing the token first sent the draft after the server's batching window, into the
     step after the next. The drafter's cache must stay right meanwhile: the target's text,
     no position evaluated twice with the same token (the drafter's table misses every fourth token; after a miss a
     position is evaluated again, with the target's token), and nothing it holds off the committed text."""
-    drafter, result, drafts = _slow_cycle_run(empty_after_miss=None)
+    drafter, result, drafts = _slow_cycle_run(mid_token, empty_after_miss=None)
     assert result.answered_at_once >= 5
     assert 0 not in drafts  # no empty draft: after a miss, 2 drafted afresh
     replies = np.array(result.round_replies[1:])
@@ -528,11 +526,10 @@ def test_a_device_whose_drafts_queue_at_the_server_finishes_its_draft_instead_of
     """The same run with every verdict reporting that its draft waited 6 ms through an earlier step (a server whose
     steps follow each other): a shorter draft sent at once would only wait longer, so once the controller has seen
     that of its most recent drafts sent at once (QUEUED_MIN) the device answers as with answer_at_once=False,
-    finishing its token and drafting the rest of K. Each verdict is held until the drafter is on its third token
-    drafted ahead (the bonus guess and one token to answer a hit with), and that token until the verdict is in."""
+    finishing its token and drafting the rest of K."""
     from edge_client.adaptive import AdaptiveDraftLength
 
-    drafter, result, drafts = _slow_cycle_run(queue_ms=6.0, hold=mid_token, empty_after_miss=None)
+    drafter, result, drafts = _slow_cycle_run(mid_token, queue_ms=6.0, empty_after_miss=None)
     # Only before the controller knew: it learns from the drafts sent at once, here the hits (QUEUED_MIN of them),
     # every other round from the second (a miss is drafted afresh, late, with empty_after_miss=None).
     learnt = 2 * AdaptiveDraftLength.QUEUED_MIN + 1
@@ -621,12 +618,12 @@ def test_answer_at_once_off_finishes_the_token_first(mid_token):
 
 
 @pytest.mark.parametrize("threshold,empty", [(0.5, True), (0.99, False)], ids=["strong", "weak"])
-def test_a_miss_is_answered_with_an_empty_draft_only_above_the_acceptance_threshold(threshold, empty):
+def test_a_miss_is_answered_with_an_empty_draft_only_above_the_acceptance_threshold(threshold, empty, mid_token):
     """empty_after_miss: a miss answered at once goes out with no draft (the server's token alone, in the step that
     verdict's window opens) where the controller's acceptance is at least the threshold, and with K drafted afresh
     below it, so that a weak drafter keeps speculating. Here the drafter misses every fourth token (acceptance
     about 0.7): above 0.5, under 0.99. The text and the drafter's cache must stay right either way."""
-    drafter, result, drafts = _slow_cycle_run(empty_after_miss=threshold)
+    drafter, result, drafts = _slow_cycle_run(mid_token, empty_after_miss=threshold)
     replies = np.array(result.round_replies[1:])
     empties = [i for i, n in enumerate(drafts[1:]) if n == 0]
     if empty:
