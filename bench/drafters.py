@@ -80,13 +80,15 @@ async def run_set(address, tokenizer, drafter, prompts, max_tokens, k):
     finally:
         await client.close()
     copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
+    walks = [guess_walk(r.prompt_token_ids, r.token_ids, k - 1) for r in rows]
     drafted = sum(r.draft_tokens for r in rows)
     accepted = sum(r.accepted_tokens for r in rows)
     rounds = sum(r.rounds for r in rows)
     tokens = sum(len(r.token_ids) for r in rows)
     checks = {"checks": drafter.checks, "guessed": drafter.guessed, "kept": drafter.kept} if hasattr(
         drafter, "checks") else {}  # a stacked drafter's lifetime counts: this set's, as it serves one set
-    return checks | {"copied": copied / tokens if tokens else 0.0,
+    return checks | {"copied": copied / tokens if tokens else 0.0, "tokens": tokens,
+            "walk_kept": sum(w[0] for w in walks), "walk_checks": sum(w[1] for w in walks),
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
             "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
@@ -97,6 +99,22 @@ def copied_tokens(prompt: list[int], answer: list[int]) -> int:
     """Tokens of the answer that prompt lookup's first guess (n-grams of 3 down to 1) predicts from what came before:
     how much the answer repeats its prompt and itself."""
     return sum(lookup(prompt + answer[:i], 1, 3, 1) == [t] for i, t in enumerate(answer))
+
+
+def guess_walk(prompt: list[int], answer: list[int], guesses: int) -> tuple[int, int]:
+    """Prompt lookup (a stack's proposer, with the device's n-gram settings) at its best under a model drafter:
+    asked again after each guess the answer does not follow, at most `guesses` a check, the answer's token after
+    each run of right guesses being the model's own. Returns (the answer's tokens it guesses right, checks: lookups
+    that offered a guess)."""
+    n = DrafterOptions()
+    kept = checks = i = 0
+    while i < len(answer):
+        guessed = lookup(prompt + answer[:i], guesses, n.ngram_max, n.ngram_min) if guesses > 0 else []
+        run = 0
+        while run < len(guessed) and i + run < len(answer) and guessed[run] == answer[i + run]:
+            run += 1
+        checks, kept, i = checks + bool(guessed), kept + run, i + run + 1
+    return kept, checks
 
 
 # With this model most tensors of a q2_k request fall back to q4_0 (576 columns is not a multiple of 256).
@@ -289,11 +307,17 @@ def main(args) -> int:
                      f"| {r['tokens_per_s']:.1f} |")
     checked = [f"- {r['drafter']}, {r['text']}: {r['checks']} checks of {r['guessed']} guesses kept {r['kept']}"
                for r in rows if "checks" in r]
+    answers = {}  # each set's answers, the same for every drafter (greedy): its first row's
+    for r in rows:
+        answers.setdefault(r["text"], r)
+    walks = [f"- {text}: prompt lookup asked again after each missed guess, at most {k - 1} a check, would keep "
+             f"{r['walk_kept']} of the answers' {r['tokens']} tokens in {r['walk_checks']} checks (a stack's best)"
+             for text, r in answers.items()]
     ceilings = [f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a "
                 f"stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
                 f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
                 for model, cost in costs.items()]
-    table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *ceilings])
+    table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *walks, *ceilings])
     print("\n" + table)
     section = (
         f"{marker(args.device_pace)}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "

@@ -1,6 +1,6 @@
 """sled-bench drafters: the stacked drafters' ratios to the model alone, text set by text set."""
 
-from bench.drafters import copied_tokens, median_run, stack_ceiling, stack_goals
+from bench.drafters import copied_tokens, guess_walk, median_run, stack_ceiling, stack_goals
 
 
 def test_stacked_rows_are_read_against_their_own_model_alone():
@@ -30,6 +30,16 @@ def test_copied_tokens_are_those_prompt_lookup_predicts():
     # after "1 2" the prompt continues with 3; after "9" nothing was seen; the repeated "1 2 3" is predicted too
     assert copied_tokens([1, 2, 3, 4, 1, 2], [3, 9, 1, 2, 3]) == 1 + 0 + 0 + 1 + 1
     assert copied_tokens([5], []) == 0
+
+
+def test_the_guess_walk_asks_prompt_lookup_again_after_each_miss():
+    prompt = [1, 2, 3, 4, 5, 6, 9, 7, 8]
+    # 8 was not seen before the prompt's end: no guess, 1 is the model's; after 1 it guesses 2 3 4, all kept, and 5
+    # is the model's; after "2 3 4 5" it guesses 6 9 7: 6 kept, the answer's 0 is the model's; 0 was not seen: no guess
+    assert guess_walk(prompt, [1, 2, 3, 4, 5, 6, 0, 3], 3) == (4, 2)
+    # one guess a check: 2 and 4 kept by checks of their own, 1 and 3 the model's
+    assert guess_walk(prompt, [1, 2, 3, 4], 1) == (2, 2)
+    assert guess_walk(prompt, [], 3) == (0, 0) and guess_walk(prompt, [1, 2], 0) == (0, 0)
 
 
 def test_a_row_is_the_run_of_median_speed():
