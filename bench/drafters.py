@@ -109,7 +109,7 @@ def guess_walk(prompt: list[int], answer: list[int], guesses: int) -> tuple[int,
     n = DrafterOptions()
     kept = checks = i = 0
     while i < len(answer):
-        guessed = lookup(prompt + answer[:i], guesses, n.ngram_max, n.ngram_min) if guesses > 0 else []
+        guessed = lookup(prompt + answer[:i], guesses, n.ngram_max, n.ngram_min)
         run = 0
         while run < len(guessed) and i + run < len(answer) and guessed[run] == answer[i + run]:
             run += 1

@@ -602,14 +602,7 @@ def test_answer_at_once_off_finishes_the_token_first(mid_token):
     answer no verdict at once; a verdict that comes mid-token (held until the drafter is on its third token drafted
     ahead, past the bonus guess and one token to answer a hit with, and that token until the verdict is in: MidToken)
     waits for that token, and the drafts are K long."""
-    async def main():
-        client, drafter = mid_token(Linked(0, 0.0, max_tokens=40, target=cycle(1, 2, 3, 0)),
-                                    SlowTable(cycle(1, 2, 3, 1), 0.01), held=lambda round_: 3)
-        return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=40, controller=held_at_two(),
-                              policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, answer_at_once=False))
-
-    result = asyncio.run(main())
-    assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 40)
+    drafter, result, drafts = _slow_cycle_run(mid_token, answer_at_once=False)
     assert result.answered_at_once == 0
     assert result.draft_tokens >= 2 * result.rounds - 2  # K = 2 but near the end of the request
     replies = np.array(result.round_replies[1:])
