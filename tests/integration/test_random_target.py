@@ -95,6 +95,20 @@ def test_runner_matches_transformers_on_the_random_shape(tiny):
     assert torch.allclose(got, want[6:], atol=1e-4)
 
 
+class _SleepingClock:
+    """time for the engine and its step floor: monotonic runs on with the host's, and a sleep passes at once but
+    moves it on by the time slept, so a floored step measures exactly its floor however loaded the host is."""
+
+    def __init__(self):
+        self.slept = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.slept
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += max(seconds, 0.0)
+
+
 def _one_step(target, **floor):
     """A fresh engine (warmed up, as a server is) with one prefilled session; one draft of three tokens verified."""
     from verify_server.config import ServerConfig
@@ -110,21 +124,25 @@ def _one_step(target, **floor):
         engine.step()
     engine.verify(opened[0].id, DraftRequest(1, (5, 6, 7)), verdicts.append)
     engine._drain(0)
-    t0 = time.monotonic()
     engine.step()
-    return verdicts[0], time.monotonic() - t0, engine.costs.token_ms
+    return verdicts[0], engine.costs.token_ms
 
 
-def test_a_step_floor_pads_each_step_to_a_gpus_profile_and_changes_no_verdict(tiny):
-    bare, bare_s, _ = _one_step(tiny)
+def test_a_step_floor_pads_each_step_to_a_gpus_profile_and_changes_no_verdict(tiny, monkeypatch):
+    from verify_server import engine, step_floor
+
+    bare, _ = _one_step(tiny)
+    clock = _SleepingClock()
+    monkeypatch.setattr(engine, "time", clock)
+    monkeypatch.setattr(step_floor, "time", clock)
     # A floor far above what the tiny target takes even on a loaded host, so the steps are the floor's.
-    padded, padded_s, token_ms = _one_step(tiny, min_step_ms=300.0, min_step_ms_per_token=40.0)
+    padded, token_ms = _one_step(tiny, min_step_ms=300.0, min_step_ms_per_token=40.0)
     assert (padded.n_accepted, padded.next_token) == (bare.n_accepted, bare.next_token)
     assert padded.step_tokens == bare.step_tokens == 4  # the three drafted tokens and the one before them
-    floor_ms = 300.0 + 40.0 * padded.step_tokens
-    assert padded.step_ms >= floor_ms and padded_s * 1000.0 >= floor_ms
+    assert padded.step_ms >= 300.0 + 40.0 * padded.step_tokens
+    assert clock.slept > 0.0
     # The cost model the devices' controllers read sees the floor's slope (the warm-up's steps of 1-16 tokens).
-    assert 30.0 < token_ms < 50.0
+    assert token_ms == pytest.approx(40.0, abs=0.5)
 
 
 def test_a_max_seq_len_past_the_targets_context_is_refused(tiny):
