@@ -86,6 +86,16 @@ def test_the_log_likelihoods_compared_are_of_the_same_items():
     assert [s["log_likelihood_items"] for s in sums] == [7, 7, 7]
 
 
+def test_a_report_with_no_item_written_in_every_mode_says_so():
+    """Every target text empty (no log-likelihood): the report still comes, the change marked unknown."""
+    args = argparse.Namespace(draft_tokens=8, fly_window=6, fly_entropy_threshold=0.3)
+    target = rows("target", 0, 0, 40, None)
+    text, sums = report(target + rows("exact", 0, 20, 10, -0.5) + rows("fly", 0, 30, 10, -0.5), args, 10)
+    assert "mean log-likelihood of FLy's completions against its greedy ones: not known (no item has a text in every " \
+           "mode; goal within 2%)" in text
+    assert [s["log_likelihood_items"] for s in sums] == [0, 0, 0]
+
+
 @pytest.mark.model
 def test_the_command_runs_two_items_three_ways_and_writes_its_section(tmp_path):
     md, out = tmp_path / "b.md", tmp_path / "fly.json"
