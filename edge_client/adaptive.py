@@ -104,6 +104,7 @@ class AdaptiveDraftLength:
         self.threshold = 0.0  # DraftStop's: a token's marginal cost over the time one committed token costs
         self.keep = 0.0  # the same for a token already drafted: its share of the step alone
         self.alpha = 1.0  # the acceptance the thresholds were set at
+        self.server_max: int | None = None  # the bound on K the last server opened with: a bound is news once
 
     @classmethod
     def for_device(cls, max_draft_tokens: int, ahead: bool, confidence_stop: bool = False) -> AdaptiveDraftLength:
@@ -123,10 +124,13 @@ class AdaptiveDraftLength:
         if self.last_observed is not None and self.clock() - self.last_observed > self.max_age_s:
             self.samples.clear()
 
-    def cap(self, server_max: int) -> None:
+    def cap(self, server_max: int) -> bool:
+        news = server_max < self.k_max and server_max != self.server_max
+        self.server_max = server_max
         self.k_max = min(self.k_max, server_max)
         self.k_min = min(self.k_min, self.k_max)
         self.k = min(self.k, self.k_max)
+        return news
 
     def at_least(self, k: int) -> None:
         self.k_min = max(self.k_min, min(k, self.k_max))

@@ -97,8 +97,7 @@ class _Generation:
                            server=getattr(self.session, "server", None))
         self.opens += 1
         asked, server_max = self.controller.k_max, self.session.opened.max_draft_tokens
-        self.controller.cap(server_max)
-        if server_max < asked and self.opens == 1 and self.on_status:  # once a generation, not at each reconnect
+        if self.controller.cap(server_max) and self.on_status:
             self.on_status(f"the server takes drafts of at most {server_max} tokens: drafting up to {server_max} a "
                            f"round, not {asked}")
         if self.session.opened.fly_window:  # FLy keeps a mismatch only before a draft's last W tokens

@@ -20,8 +20,9 @@ class DraftLength(Protocol):
     # whether a hit is answered with what was drafted ahead (K at most) rather than a draft of K finished first
     answers_hits_at_once: bool
 
-    def cap(self, server_max: int) -> None:
-        """No draft longer than the server takes."""
+    def cap(self, server_max: int) -> bool:
+        """No draft longer than the server takes; whether that cuts the drafts and this controller had not heard it
+        (a device tells its user once, not at each reconnect or request)."""
 
     def at_least(self, k: int) -> None:
         """No draft shorter than k where that is possible (FLy keeps a mismatch only before a draft's last W tokens)."""
@@ -47,8 +48,10 @@ class FixedDraftLength:
     def __init__(self, k: int):
         self.k = self.k_max = k
 
-    def cap(self, server_max: int) -> None:
+    def cap(self, server_max: int) -> bool:
+        cut = server_max < self.k
         self.k = self.k_max = min(self.k, server_max)
+        return cut
 
     def at_least(self, k: int) -> None:
         pass  # a fixed K is the user's choice

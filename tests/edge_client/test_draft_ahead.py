@@ -382,6 +382,27 @@ def test_a_device_asking_longer_drafts_than_the_server_takes_is_told_and_drafts_
         assert max(client.drafts) == min(server_max, 6)
 
 
+def test_a_device_keeping_its_controller_is_told_of_a_servers_limit_once():
+    """The daemon keeps one adaptive controller across its requests: a server's bound on K is told at the first
+    request, not at every one; a server with another bound is told again."""
+    from edge_client.adaptive import AdaptiveDraftLength
+
+    table = cycle(1, 2, 3, 1)
+    controller = AdaptiveDraftLength.for_device(6, ahead=True)
+    told = []
+    for server_max in (3, 3, 4, 8, 4):
+        statuses: list[str] = []
+        client = FakeClient(0, 0.001, max_tokens=12, target=table, server_max=server_max)
+        result = asyncio.run(generate(client, TableDrafter(table), TOKENIZER, PROMPT, max_tokens=12,
+                                      on_status=statuses.append, controller=controller,
+                                      policy=DraftPolicy(draft_tokens=6, max_draft_tokens=6)))
+        assert result.token_ids == greedy_chain(table, 12)
+        assert max(client.drafts) <= min(server_max, 6)  # the controller picks its K under the bound
+        told.append(statuses)
+    limit = "the server takes drafts of at most {0} tokens: drafting up to {0} a round, not 6"
+    assert told == [[limit.format(3)], [], [limit.format(4)], [], [limit.format(4)]]
+
+
 def held_at_two():
     """The adaptive controller held at K = 2 under a bound of 8 (the real one, its choice fixed)."""
     from edge_client.adaptive import AdaptiveDraftLength
