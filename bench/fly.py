@@ -160,8 +160,6 @@ def scored_items(rows: list[dict]) -> set[str]:
 def log_likelihood_change(rows: list[dict], scored: set[str]) -> tuple[float, float]:
     """FLy's mean log-likelihood against the target's over the `scored` items, relative to the target's, and the
     half-width of its 95% interval (normal, from the items' paired differences): how far 100 items pin it down."""
-    if not scored:
-        return float("nan"), float("nan")
     ll = {(r["task_id"], r["mode"]): r["log_likelihood"] for r in rows if r["task_id"] in scored}
     diffs = [ll[t, "fly"] - ll[t, "target"] for t in sorted(scored)]
     base = abs(statistics.fmean(ll[t, "target"] for t in scored))
@@ -205,10 +203,12 @@ def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
                      f"{s['mean_log_likelihood']:.4f} |")
     gain = by["fly"]["mean_acceptance_length"] / by["exact"]["mean_acceptance_length"]
     points = 100 * (by["fly"]["pass_at_1"] - by["target"]["pass_at_1"])
-    ll_change, ll_spread = log_likelihood_change(rows, scored)
-    ll_text = (f"{100 * ll_change:+.2f}% (95% interval {100 * (ll_change - ll_spread):+.2f}% to "
-               f"{100 * (ll_change + ll_spread):+.2f}% over the {by['target']['log_likelihood_items']} items with a "
-               "text in every mode" if scored else "not known (no item has a text in every mode")
+    ll_text = "not known (no item has a text in every mode"
+    if scored:
+        ll_change, ll_spread = log_likelihood_change(rows, scored)
+        ll_text = (f"{100 * ll_change:+.2f}% (95% interval {100 * (ll_change - ll_spread):+.2f}% to "
+                   f"{100 * (ll_change + ll_spread):+.2f}% over the {by['target']['log_likelihood_items']} items with "
+                   "a text in every mode")
     exact_length, k = by["exact"]["mean_acceptance_length"], args.draft_tokens
     goals = [f"- mean acceptance length, FLy / exact: {gain:.2f}x (goal at least 1.25x; a round commits at most K + 1 "
              f"= {k + 1} tokens, so no rule passes {(k + 1) / exact_length:.2f}x over exact's {exact_length:.2f} "
