@@ -2,7 +2,8 @@
 
 For each drafter and text set, the prompts run one after another (one device), greedy, and the
 figures are acceptance rate (accepted / drafted), mean acceptance length (1 + accepted / rounds) and
-device tokens/s. One drafter instance serves a whole set, so Cacheback's tables warm up across the
+device tokens/s. The server and the device's drafting thread each have cores of their own, as on two machines.
+One drafter instance serves a whole set, so Cacheback's tables warm up across the
 set's prompts, as on a device that keeps running. Every drafter and set runs --repeats times, interleaved, and
 the run of median speed is shown. Writes its section of docs/benchmarks.md.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -69,14 +71,19 @@ FREE = [
 ]
 
 
-async def run_set(address, tokenizer, drafter, prompts, max_tokens, k):
+def policy(k: int, adaptive: bool) -> DraftPolicy:
+    """K fixed, or the device's default controller choosing K each round in 1..k."""
+    return DraftPolicy(draft_tokens=k, adaptive=adaptive, max_draft_tokens=k)
+
+
+async def run_set(address, tokenizer, drafter, prompts, max_tokens, k, adaptive=False):
     client = VerifierClient(address)
     rows = []
     try:
         for p in prompts:
             ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": p}]))
             rows.append(await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens,
-                                        policy=DraftPolicy(draft_tokens=k, adaptive=False)))
+                                        policy=policy(k, adaptive)))
     finally:
         await client.close()
     copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
@@ -207,7 +214,14 @@ def stack_goals(rows: list[dict], models: dict[str, str]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=positive(int), default=96, help="tokens per prompt (default 96)")
-    p.add_argument("--draft-tokens", type=positive(int), default=4, help="K (default 4)")
+    p.add_argument("--draft-tokens", type=positive(int), default=4,
+                   help="K, or with --adaptive the most K a round drafts (default 4)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="draft under the device's adaptive controller (K chosen each round, at most --draft-tokens) "
+                        "instead of a fixed K; writes its own section")
+    p.add_argument("--server-threads", type=positive(int), default=server_threads(os.cpu_count()), metavar="N",
+                   help="the verify server's torch threads (default: the host's cores but one, the device's "
+                        "drafting thread's)")
     p.add_argument("--repeats", type=positive(int), default=3,
                    help="runs of every drafter and set, interleaved; the table has each one's median (default 3)")
     p.add_argument("--onnx-model", help="ONNX draft to use (default: export the full model, int8, to a temp dir)")
@@ -227,12 +241,20 @@ def build_parser() -> argparse.ArgumentParser:
 at_least_one = at_least(1.0)  # --device-pace: 1 is a device as fast as this host
 
 
-def marker(pace: float) -> str:
-    """The section's heading: a paced run's is its own (and not one the plain heading is part of)."""
-    if pace == 1.0:
+def marker(pace: float, adaptive: bool = False) -> str:
+    """The section's heading: a paced run's, and an adaptive K's, is its own (and not one the plain heading is part
+    of)."""
+    if pace == 1.0 and not adaptive:
         return MARKER
-    return (f"## Drafters on a device drafting {pace:g}x slower than this host: acceptance on repetitive, edit and free "
-            "text")
+    device = "a device" if pace == 1.0 else f"a device drafting {pace:g}x slower than this host"
+    return (f"## Drafters on {device}{' with the adaptive K' if adaptive else ''}: acceptance on repetitive, edit and "
+            "free text")
+
+
+def server_threads(cores: int | None) -> int:
+    """The verify server's torch threads: every core but one, which the device's drafting thread has to itself,
+    as on two machines (sharing a core, each waits on the other's turns)."""
+    return max(1, (cores or 1) - 1)
 
 
 def drafters(args, work: Path) -> tuple[dict, dict]:
@@ -278,7 +300,7 @@ def main(args) -> int:
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
         # a server caps K at its max_draft_tokens (16 by default) without a word: it must allow the K reported
-        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024",
+        with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024", "--threads", str(args.server_threads),
                            "--max-draft-tokens", str(max(16, args.draft_tokens))) as address:
             tokenizer = Tokenizer()
             for repeat in range(args.repeats):  # every drafter once a repeat, so a slow spell of the host hits all
@@ -290,7 +312,7 @@ def main(args) -> int:
                         paced = d if args.device_pace == 1.0 else Paced(d, args.device_pace)
                         try:
                             row = asyncio.run(run_set(address, tokenizer, paced, prompts, args.max_tokens,
-                                                      args.draft_tokens))
+                                                      args.draft_tokens, args.adaptive))
                         finally:
                             d.close()
                         runs.setdefault((name, label), []).append(row)
@@ -320,9 +342,13 @@ def main(args) -> int:
     table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *walks, *ceilings])
     print("\n" + table)
     section = (
-        f"{marker(args.device_pace)}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{marker(args.device_pace, args.adaptive)}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
-        f"- target: SmolLM2-135M-Instruct (float32, torch); greedy; K = {args.draft_tokens}; {args.max_tokens} tokens "
+        f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
+        f"{'s' if args.server_threads > 1 else ''}; each drafter 1 thread); greedy; "
+        + (f"K chosen each round by the device's adaptive controller, at most {args.draft_tokens}"
+           if args.adaptive else f"K = {args.draft_tokens}")
+        + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
         f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions, chat "
         f"template; one device, prompts one after another, one drafter instance a set; {args.repeats} runs of each, "
@@ -337,5 +363,5 @@ def main(args) -> int:
         "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
         "propose nothing when they find no match, so their drafted / round is below K\n\n"
         + table + "\n")
-    publish(args.markdown, marker(args.device_pace), section, args.json, rows)
+    publish(args.markdown, marker(args.device_pace, args.adaptive), section, args.json, rows)
     return 0

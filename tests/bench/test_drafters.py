@@ -86,3 +86,22 @@ def test_the_device_pace_is_checked_and_names_its_own_section():
     for bad in ("0.5", "nan", "-1", "fast"):
         with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
             at_least_one(bad)
+
+
+def test_an_adaptive_run_names_its_own_section_and_drafts_under_the_devices_controller():
+    from bench.drafters import MARKER, build_parser, marker, policy
+
+    sections = {marker(1.0), marker(1.0, True), marker(3.0), marker(3.0, True)}
+    assert len(sections) == 4 and not any(MARKER in s for s in sections - {MARKER})
+    assert "adaptive" in marker(1.0, True) and "3x slower" in marker(3.0, True)
+    fixed, adaptive = policy(4, False).controller(), policy(8, True).controller()
+    assert (type(fixed).__name__, fixed.k, fixed.k_max) == ("FixedDraftLength", 4, 4)
+    assert (type(adaptive).__name__, adaptive.k_max) == ("AdaptiveDraftLength", 8)
+    args = build_parser().parse_args(["--adaptive", "--draft-tokens", "8", "--server-threads", "3"])
+    assert (args.adaptive, args.draft_tokens, args.server_threads) == (True, 8, 3)
+
+
+def test_the_server_leaves_the_devices_drafting_thread_a_core_of_its_own():
+    from bench.drafters import server_threads
+
+    assert [server_threads(n) for n in (None, 1, 2, 16)] == [1, 1, 1, 15]
