@@ -35,6 +35,7 @@ from .report import machine, publish
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## Drafters: acceptance on repetitive, edit and free text"
 ONNX_ROW = "ONNX Runtime, int8 weights"
+DRAFTER_THREADS = 1  # each model drafter's, as on a small device's core; the server has the host's other cores
 
 REPETITIVE = [
     "Repeat this sentence five times, one per line: The quick brown fox jumps over the lazy dog.",
@@ -252,9 +253,9 @@ def marker(pace: float, adaptive: bool = False) -> str:
 
 
 def server_threads(cores: int | None) -> int:
-    """The verify server's torch threads: every core but one, which the device's drafting thread has to itself,
-    as on two machines (sharing a core, each waits on the other's turns)."""
-    return max(1, (cores or 1) - 1)
+    """The verify server's torch threads: every core but the device's drafting threads', which have theirs to
+    themselves, as on two machines (sharing a core, each waits on the other's turns)."""
+    return max(1, (cores or 1) - DRAFTER_THREADS)
 
 
 def drafters(args, work: Path) -> tuple[dict, dict]:
@@ -264,20 +265,21 @@ def drafters(args, work: Path) -> tuple[dict, dict]:
     for k in kinds:
         tool("requantize_gguf.py", "--output", str(work / f"smollm2-{k}.gguf"), "--type", k)
         requantized[REQUANTIZED_NAMES.get(k, f"llama.cpp requantized to {k}")] = work / f"smollm2-{k}.gguf"
-    llama = DrafterOptions(threads=1)
+    llama = DrafterOptions(threads=DRAFTER_THREADS)
     models = {"llama.cpp Q4_1": ("llama-cpp", llama)}
     if args.onnx:
         onnx_model = args.onnx_model
         if not onnx_model:
             onnx_model = str(work / "smollm2-int8.onnx")
             tool("export_onnx_draft.py", "--output", onnx_model, "--int8")
-        models[ONNX_ROW] = ("onnx", DrafterOptions(onnx_model=onnx_model, threads=1))
+        models[ONNX_ROW] = ("onnx", DrafterOptions(onnx_model=onnx_model, threads=DRAFTER_THREADS))
     stacks = {f"stacked: {proposer_name} under {model}": (f"stack:{proposer}+{kind}", opts, model)
               for model, (kind, opts) in models.items()
               for proposer, proposer_name in (("ngram", "prompt lookup"), ("cacheback", "Cacheback"))}
     compared = {
         "llama.cpp Q4_1": models["llama.cpp Q4_1"],
-        **{name: ("llama-cpp", DrafterOptions(model_path=str(path), threads=1)) for name, path in requantized.items()},
+        **{name: ("llama-cpp", DrafterOptions(model_path=str(path), threads=DRAFTER_THREADS))
+           for name, path in requantized.items()},
         **{name: m for name, m in models.items() if name != "llama.cpp Q4_1"},
         "Cacheback (LRU n-gram caches)": ("cacheback", DrafterOptions()),
         "prompt lookup (n-gram)": ("ngram", DrafterOptions()),
@@ -345,7 +347,7 @@ def main(args) -> int:
         f"{marker(args.device_pace, args.adaptive)}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
-        f"{'s' if args.server_threads > 1 else ''}; each drafter 1 thread); greedy; "
+        f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
         + (f"K chosen each round by the device's adaptive controller, at most {args.draft_tokens}"
            if args.adaptive else f"K = {args.draft_tokens}")
         + f"; {args.max_tokens} tokens "
