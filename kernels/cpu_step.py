@@ -50,6 +50,13 @@ def _cpu_id() -> str:
     return _cpuinfo("flags", "Features") or platform.processor()
 
 
+def machine_id() -> str:
+    """This machine as measurements made on it depend on: architecture, CPU model, cores and instruction set."""
+    flags = hashlib.sha256(_cpu_id().encode()).hexdigest()[:12]
+    model = _cpuinfo("model name").partition(":")[2].strip() or platform.processor()
+    return f"{platform.machine()} {model}, {os.cpu_count()} cpus, flags {flags}"
+
+
 def host_defines(vendor: str | None = None, flags: str | None = None) -> tuple[str, ...]:
     """The defines of this CPU's own build beyond what -march=native decides: where the best setting was measured
     to depend on the vendor, not the instruction set (docs/kernels.md). On Intel CPUs with AVX-512 the next panel is
@@ -182,6 +189,7 @@ class CpuStep:
         if num_heads % num_kv_heads or head_dim % 2:
             raise CpuStepUnavailable("heads must group evenly over KV heads and head_dim must be even")
         self.lib = load_library()
+        self.build = Path(self.lib._name).stem  # the build's name: its source, compiler, flags and CPU, hashed
         num_layers, num_slots, _, max_seq, _ = k_cache.shape
         hidden = norm.shape[0]
         self.keep: list[torch.Tensor] = []  # everything the C side points into

@@ -36,9 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, help=f"context tokens per session (default {d.max_seq_len})")
     p.add_argument("--max-batch-sessions", type=int, help=f"verifications per step (default {d.max_batch_sessions})")
     p.add_argument("--max-batch-tokens", type=int, help=f"tokens per step, drafts plus prefill (default {d.max_batch_tokens})")
+    p.add_argument("--step-target-ms", type=float, metavar="MS",
+                   help="while a draft waits or is due, a step prefills only as many prompt tokens as keep it within "
+                        "this time, so a long prompt is prefilled over several steps (default: three times the step's "
+                        "fixed cost, as measured)")
+    p.add_argument("--prefill-min-tokens", type=int, metavar="N",
+                   help=f"the fewest prompt tokens a step prefills while a prompt waits (default {d.prefill_min_tokens})")
     p.add_argument("--prefill-chunk-tokens", type=int, metavar="N",
-                   help="prompt tokens prefilled in a step while other sessions decode, so a long prompt is prefilled "
-                        "over several steps (default: as many as add about half a step's fixed cost)")
+                   help="a fixed prompt chunk in place of the one --step-target-ms gives (default: none)")
     p.add_argument("--max-wait-ms", type=float, help=f"longest a draft waits for others to join its step (default {d.max_wait_ms})")
     p.add_argument("--max-draft-tokens", type=int, help=f"longest draft accepted (default {d.max_draft_tokens})")
     p.add_argument("--max-draft-top-k", type=int, help=f"largest sparse draft distribution per token (default {d.max_draft_top_k})")
@@ -83,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-max-tokens", type=int,
                    help="largest batch, in tokens, that takes the fused path (default: measured at start-up, "
                         "where the fused step stops beating PyTorch on this CPU)")
+    p.add_argument("--start-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep what start-up measures (the fused step's threshold) on disk, keyed by machine, target, "
+                        "dtype, threads and kernel build, so a restart skips it (default on; --no-start-cache "
+                        "measures at every start)")
+    p.add_argument("--start-cache-dir", metavar="DIR",
+                   help="where it is kept (default: $SLED_CACHE_DIR/start, else ~/.cache/sled/start)")
+    p.add_argument("--calibration-budget-s", type=float, metavar="SECONDS",
+                   help="the longest start-up measures the fused step; past it a safe threshold is used and the "
+                        f"log says so (default {d.calibration_budget_s:g})")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed for sessions that bring none, for reproducible runs")
     p.add_argument("--min-step-ms", type=float, metavar="MS",

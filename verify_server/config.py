@@ -32,9 +32,12 @@ class ServerConfig:
     max_seq_len: int = 2048  # context tokens per session (prompt + generated)
     max_batch_sessions: int = 16  # verification requests in one step
     max_batch_tokens: int = 512  # tokens (draft + prefill) in one step
-    # Prompt tokens prefilled in one step while other sessions are decoding: longer prompts are prefilled over several
-    # steps, so no device's round waits behind a whole prompt. None: as many as add about half a step's fixed cost
-    # (the step cost model's), a few on a CPU and hundreds on a GPU. With nobody decoding, up to max_batch_tokens.
+    # Prompt chunks (docs/architecture.md, "Prefill"): while a draft waits, or a session's next draft is due before a
+    # step of max_batch_tokens would end, a step prefills only what keeps it within step_target_ms (None: three times
+    # the step's fitted fixed cost), at least prefill_min_tokens; otherwise up to max_batch_tokens. Idle sessions do
+    # not count. prefill_chunk_tokens, where set, is the chunk in place of the one step_target_ms gives.
+    step_target_ms: float | None = None
+    prefill_min_tokens: int = 16
     prefill_chunk_tokens: int | None = None
     max_wait_ms: float = 5.0  # longest a request waits for others to join its step, from the worker's intake
     max_draft_tokens: int = 16  # longest accepted draft
@@ -71,6 +74,12 @@ class ServerConfig:
     # Past it PyTorch's oneDNN matmuls win, once many rows share each weight read, at a count that depends on the
     # CPU. None: timed at start-up, one session's forward of 1-256 tokens through both (docs/kernels.md).
     fused_max_tokens: int | None = None
+    # What start-up measures (fused_max_tokens where unset) is kept in start_cache_dir (None: the folder the fused
+    # step's builds are kept in, under "start") keyed by machine, target, dtype, threads and kernel build, so a
+    # restart skips it; start_cache false measures at every start. calibration_budget_s bounds the measuring.
+    start_cache: bool = True
+    start_cache_dir: str | None = None
+    calibration_budget_s: float = 30.0
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
     # A floor under every forward: it lasts at least min_step_ms + min_step_ms_per_token * its tokens, the rest slept.
@@ -89,6 +98,10 @@ class ServerConfig:
             positive(name)
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
+        if self.prefill_min_tokens <= 0:
+            raise ValueError(f"prefill_min_tokens must be positive, got {self.prefill_min_tokens}")
+        if self.step_target_ms is not None and not 0 < self.step_target_ms < 60_000:  # also refuses NaN
+            raise ValueError(f"step_target_ms must be in (0, 60000) ms, got {self.step_target_ms!r}")
         if self.verification not in ("exact", "fly"):
             raise ValueError(f"verification must be exact or fly, got {self.verification!r}")
         if self.verification == "fly" and not self.allow_fly:
@@ -147,6 +160,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not 0 <= value < 60_000:  # also refuses NaN
                 raise ValueError(f"{name} must be in [0, 60000) ms, got {value!r}")
+        if not 0 < self.calibration_budget_s < 3600:  # also refuses NaN
+            raise ValueError(f"calibration_budget_s must be in (0, 3600) s, got {self.calibration_budget_s!r}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -157,6 +172,16 @@ class ServerConfig:
             if self.tls_cert is None:
                 raise ValueError("tls_client_ca applies to TLS: give tls_cert and tls_key too")
             check_ca(self.tls_client_ca)
+
+    def start_cache_folder(self) -> Path | None:
+        """Where start-up measurements are kept; None where start_cache is off."""
+        if not self.start_cache:
+            return None
+        if self.start_cache_dir is not None:
+            return Path(self.start_cache_dir)
+        from kernels.cpu_step import cache_dir
+
+        return cache_dir() / "start"
 
     def shared_token(self) -> str | None:
         """The token every device may use: auth_token, or the first line of auth_token_file."""

@@ -7,7 +7,7 @@ import collections
 
 class StepCostModel:
     """The devices read `token_ms` (the marginal cost of one more token) to size their drafts; the scheduler reads
-    `tokens_costing` to size prompt chunks."""
+    `ms` and `tokens_costing` to size prompt chunks."""
 
     def __init__(self, window: int = 256):
         self.window = window
@@ -32,8 +32,12 @@ class StepCostModel:
         for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self._sums[i] += sign * v
 
+    def ms(self, tokens: int) -> float:
+        """A step of `tokens` tokens, as fitted (0 before any step is measured)."""
+        return self.fixed_ms + self.token_ms * tokens
+
     def tokens_costing(self, ms: float, at_most: int) -> int:
         """How many tokens add about `ms` to a step (1 to `at_most`; `at_most` where tokens cost nothing)."""
         if self.token_ms <= 0:
             return at_most
-        return max(1, min(at_most, int(ms / self.token_ms)))
+        return max(1, min(at_most, int(ms / self.token_ms + 1e-6)))  # a fit's rounding is not a token less

@@ -4,6 +4,8 @@ gets answers through callbacks; its own thread runs step() = plan → batch → 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import queue
 import random
@@ -17,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from kernels.cpu_step import row_argmax
+from kernels.cpu_step import machine_id, row_argmax
 from kernels.rejection_sampler import NonFiniteLogitsError, rejection_sample
 
 from .batch import StepBatch
@@ -29,8 +31,9 @@ from .metrics import Metrics
 from .model_loader import Target
 from .model_runner import ModelInput, ModelRunner
 from .prefix_cache import PrefixCache
-from .scheduler import Scheduler, VerifyWork
+from .scheduler import Scheduler, VerifyWork, draft_expected
 from .sessions import LENGTH, DraftRequest, OpenRequest, Session, Verdict, commit_tokens
+from .start_cache import StartCache
 from .step_floor import StepFloor
 
 log = logging.getLogger(__name__)
@@ -150,15 +153,50 @@ class Engine:
         slot = self.kv.allocate()
         try:
             if self.runner.fused is not None and self.config.fused_max_tokens is None:
-                ratios = self.runner.calibrate_fused(slot)
-                log.info("fused step up to %d tokens (fused / PyTorch: %s)", self.runner.fused_max_tokens,
-                         ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
+                self._fused_threshold(slot)
             for n in (8, 1, 5, 1, 16, 1, 16):
                 t0 = time.monotonic()
                 self.runner.forward(ModelInput.placeholder(n, slot))
                 self.costs.record(n, time.monotonic() - t0)
         finally:
             self.kv.free(slot)
+
+    def _fused_threshold(self, slot: int) -> None:
+        """fused_max_tokens as kept from an earlier start with the same key, else measured (within the time bound)
+        and kept."""
+        cache = StartCache(self.config.start_cache_folder())
+        key = self.start_key()
+        kept = cache.get("fused", key)
+        if kept is not None:
+            self.runner.set_fused_max_tokens(int(kept["fused_max_tokens"]))
+            log.info("fused step up to %d tokens, as measured at an earlier start (%s)",
+                     self.runner.fused_max_tokens, cache.path("fused", key))
+            return
+        t0 = time.monotonic()
+        done = self.runner.calibrate_fused(slot, budget_s=self.config.calibration_budget_s)
+        ratios = ", ".join(f"{n}: {r:.2f}" for n, r in done.ratios.items())
+        if done.cut:
+            log.warning("the fused step's calibration was cut at its %gs bound (calibration_budget_s) after %.0fs: "
+                        "fused up to %d tokens, a safe default (fused / PyTorch: %s); not kept, the next start "
+                        "measures again", self.config.calibration_budget_s, time.monotonic() - t0,
+                        done.max_tokens, ratios)
+            return
+        log.info("fused step up to %d tokens, measured in %.0fs (fused / PyTorch: %s)", done.max_tokens,
+                 time.monotonic() - t0, ratios)
+        cache.put("fused", key, {"fused_max_tokens": done.max_tokens,
+                                 "ratios": {str(n): r for n, r in done.ratios.items()}})
+
+    def start_key(self) -> dict:
+        """What start-up measurements depend on: machine, target, dtype, threads, kernels and their builds."""
+        runner = self.runner
+        shape = self.target.model.config.to_dict()
+        for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+            shape.pop(volatile, None)
+        return {"machine": machine_id(), "target": self.target.name,
+                "shape": hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16],
+                "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "linear": runner.linear, "attention": runner.attention_name, "max_seq_len": self.kv.max_seq_len,
+                "fused_build": runner.fused.build if runner.fused is not None else ""}
 
     def start(self, executor: Executor | None = None) -> None:
         """Run the step loop on `executor`'s thread, best the one that built the engine (see VerifyServer), or
@@ -203,25 +241,20 @@ class Engine:
     def _prefilling(self) -> list[Session]:
         return [s for s in self._sessions.values() if not s.finished and not s.prefilled]
 
-    def _prefill_chunk(self) -> int | None:
-        """Prompt tokens this step may prefill: None (no cap) while nobody decodes; else prefill_chunk_tokens, or
-        where that is not set as many as add about half the step's fixed cost, so that a device's round waits
-        behind a short step, not a whole prompt (on a GPU, where tokens cost little, that is hundreds)."""
-        if not any(not s.finished and s.prefilled for s in self._sessions.values()):
-            return None
-        if self.config.prefill_chunk_tokens is not None:
-            return self.config.prefill_chunk_tokens
-        return self.costs.tokens_costing(self.costs.fixed_ms / 2, self.config.max_batch_tokens)
-
     def _ready(self, now: float) -> bool:
         # The batching window counts from the worker's intake, not from arrival: a draft handed in during a step
         # still waits up to max_wait_ms after it, so the devices that step just answered can join the next one.
         oldest = self._pending[0].enqueued if self._pending else None
         prefilling = self._prefilling()
         if prefilling and oldest is None:
-            return True
-        active = sum(1 for s in self._sessions.values() if not s.finished)
-        return self.scheduler.ready(self._pending, prefilling, active, oldest, now)
+            return self.scheduler.hold(self._pending, list(self._sessions.values()), now) <= 0
+        return self.scheduler.ready(self._pending, prefilling, self._in_rounds(now), oldest, now)
+
+    def _in_rounds(self, now: float) -> int:
+        """Sessions a step may wait for: a draft waiting, a prompt to prefill, or a draft due (not idle ones)."""
+        waiting = {w.session.id for w in self._pending}
+        return sum(1 for s in self._sessions.values() if not s.finished and (
+            s.id in waiting or not s.prefilled or draft_expected(s, now) is not None))
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
@@ -229,6 +262,8 @@ class Engine:
             return 0.0
         if self._pending:
             return max(0.0, self.config.max_wait_ms / 1000.0 - (now - self._pending[0].enqueued))
+        if self._prefilling():
+            return self.scheduler.hold(self._pending, list(self._sessions.values()), now)
         return 0.2
 
     def _drain(self, timeout: float) -> None:
@@ -282,6 +317,7 @@ class Engine:
                           stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id,
                           device=device, decoded_here=req.server_decodes and on_verdict is not None, fly=req.fly)
         session.kv_len = self.prefix_cache.load(slot, session.tokens)
+        session.answered_at = time.monotonic()  # Opened: counts where the prefix cache held the whole prompt
         if session.kv_len:
             self.metrics.record_prefix_hit(session.kv_len)
         self._sessions[session.id] = session
@@ -304,6 +340,7 @@ class Engine:
         if any(w.session is session for w in self._pending):
             raise SledError("FAILED_PRECONDITION", "a draft of this session is still being verified; wait for its verdict")
         session.last_active = time.monotonic()
+        session.draft_arrived(arrived)
         self._pending.append(VerifyWork(session, draft, reply, arrived=arrived))
 
     def _close(self, session_id: str) -> None:
@@ -336,7 +373,8 @@ class Engine:
     # ---- one step ----
 
     def step(self) -> None:
-        plan = self.scheduler.plan(self._pending, self._prefilling(), self._prefill_chunk())
+        chunk = self.scheduler.prefill_chunk(self._pending, list(self._sessions.values()), time.monotonic(), self.costs)
+        plan = self.scheduler.plan(self._pending, self._prefilling(), chunk)
         if not plan:
             return
         t0 = time.monotonic()
@@ -389,11 +427,12 @@ class Engine:
     def _commit(self, batch: StepBatch, verdicts: list, t0: float, forward_s: float) -> None:
         """Prefilled lengths, each session's committed tokens, one reply per verification; a session the server
         decodes is asked its next token at once."""
+        end = time.monotonic()
         for p in batch.plan.prefills:
             p.session.kv_len += p.length
             if p.session.prefilled:
+                p.session.answered_at = end  # its device may draft from now on
                 self.prefix_cache.observe(p.session.slot, p.session.tokens, p.session.kv_len)
-        end = time.monotonic()
         load = {"step_ms": (end - t0) * 1000.0, "step_tokens": int(batch.model_input.token_ids.numel()),
                 "step_sessions": len(batch.verifies), "token_ms": self.costs.token_ms}
         for work, draft, result in zip(batch.verifies, batch.drafts, verdicts):
@@ -428,6 +467,6 @@ class Engine:
             self._release(s)
         else:
             s.kv_len = len(s.tokens) - 1
-        s.last_active = time.monotonic()
+        s.last_active = s.answered_at = time.monotonic()
         self.metrics.record_verification(len(draft), kept, len(block), s.device.label, n_loose)
         return Verdict(work.draft.round, kept, nxt, reason is not None, reason, n_loose=n_loose)

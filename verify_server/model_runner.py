@@ -155,6 +155,16 @@ UNCALIBRATED_FUSED_MAX_TOKENS = 8
 CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+@dataclass(frozen=True)
+class FusedCalibration:
+    """calibrate_fused's outcome: the threshold it set, fused / PyTorch per size tried, and whether its time bound
+    cut it short."""
+
+    max_tokens: int
+    ratios: dict[int, float]
+    cut: bool
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, attention: str = "sdpa", linear: str = "auto",
                  fused: str = "auto", fused_max_tokens: int | None = None, shard=None):
@@ -235,16 +245,22 @@ class ModelRunner:
                 "fused_max_tokens": self.fused_max_tokens if self.fused is not None else 0}
 
     def calibrate_fused(self, slot: int, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
-                        timer=None, confirm: int = 2) -> dict[int, float]:
+                        timer=None, confirm: int = 2, budget_s: float | None = None,
+                        clock=time.monotonic) -> FusedCalibration:
         """Set fused_max_tokens where the fused step stops beating PyTorch on this machine: the largest of `sizes`
         up to which one session's forward of that many tokens (in `slot`, positions from 0) is at least as fast
         fused, the two timed alternately `repeats` times (best of each). A size PyTorch seems to win is timed
         `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
-        disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. Returns
-        fused / PyTorch per size tried. `timer(n, fused)`, for tests, replaces the measurement."""
+        disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. Past
+        `budget_s` seconds (by `clock`) no further size is started: the threshold is then the sizes measured so
+        far, at least UNCALIBRATED_FUSED_MAX_TOKENS. `timer(n, fused)`, for tests, replaces the measurement."""
         timer = timer or (lambda n, fused: self._time_forward(n, slot, fused))
-        ratios, best = {}, 0
+        deadline = clock() + budget_s if budget_s is not None else None
+        ratios, best, cut = {}, 0, False
         for n in (n for n in sizes if n <= self.kv.max_seq_len):
+            if deadline is not None and clock() > deadline:
+                cut = True
+                break
             times = {True: [], False: []}
             for _ in range(1 + confirm):
                 for _ in range(repeats):
@@ -256,8 +272,12 @@ class ModelRunner:
             if ratios[n] > 1.0:
                 break
             best = n
-        self.fused_max_tokens = best
-        return ratios
+        self.fused_max_tokens = max(best, UNCALIBRATED_FUSED_MAX_TOKENS) if cut else best
+        return FusedCalibration(self.fused_max_tokens, ratios, cut)
+
+    def set_fused_max_tokens(self, n: int) -> None:
+        """The fused step's threshold as an earlier calibration measured it (through any wrapper of the runner)."""
+        self.fused_max_tokens = n
 
     def _time_forward(self, n: int, slot: int, fused: bool) -> float:
         inp = ModelInput.placeholder(n, slot)

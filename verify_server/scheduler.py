@@ -6,7 +6,23 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ServerConfig
+from .cost_model import StepCostModel
 from .sessions import DraftRequest, Session
+
+# A session whose draft is overdue by more than this, and by more than twice its usual gap, is idle: no step is
+# shortened or held for it.
+IDLE_AFTER_S = 0.5
+
+
+def draft_expected(session: Session, now: float) -> float | None:
+    """When `session`'s next draft should arrive (its last answer plus its usual gap); None where none is expected:
+    never answered yet, still prefilling, finished, decoded by the server itself, or idle."""
+    s = session
+    if s.finished or s.decoded_here or s.answered_at is None or not s.prefilled:
+        return None
+    gap = s.draft_gap_s or 0.0
+    due = s.answered_at + gap
+    return None if now - due > max(IDLE_AFTER_S, 2 * gap) else due
 
 
 @dataclass
@@ -44,6 +60,43 @@ class Plan:
 class Scheduler:
     def __init__(self, config: ServerConfig):
         self.config = config
+
+    def next_draft(self, pending: list[VerifyWork], sessions: list[Session], now: float) -> float | None:
+        """The earliest time a draft is expected from a session in a round (none of its drafts waiting)."""
+        waiting = {w.session.id for w in pending}
+        due = [t for s in sessions if s.id not in waiting and (t := draft_expected(s, now)) is not None]
+        return min(due, default=None)
+
+    def hold(self, pending: list[VerifyWork], sessions: list[Session], now: float) -> float:
+        """Seconds a prefill step with no draft waiting holds for a round due within the batching window (0: run
+        now), so a device whose draft is a moment away does not wait a whole step behind a prompt."""
+        if pending:
+            return 0.0
+        due = self.next_draft(pending, sessions, now)
+        window = self.config.max_wait_ms / 1000.0
+        if due is None or due - now > window:
+            return 0.0
+        return max(0.0, due + window - now)
+
+    def prefill_chunk(self, pending: list[VerifyWork], sessions: list[Session], now: float,
+                      costs: StepCostModel) -> int | None:
+        """Prompt tokens the next step may prefill: None (the rest of the step budget) where no draft is waiting
+        and none is due before such a step would end. Else as many as keep the step within step_target_ms (or
+        within the time left before the next due draft, where that is longer), less the waiting drafts' tokens,
+        and never fewer than prefill_min_tokens; prefill_chunk_tokens where it is set."""
+        cfg = self.config
+        runnable = [w for w in pending if w.session.prefilled]
+        due = self.next_draft(pending, sessions, now)
+        if not runnable and (due is None or due - now > costs.ms(cfg.max_batch_tokens) / 1000.0):
+            return None
+        if cfg.prefill_chunk_tokens is not None:
+            return cfg.prefill_chunk_tokens
+        target_ms = cfg.step_target_ms if cfg.step_target_ms is not None else 3.0 * costs.fixed_ms
+        if not runnable:
+            target_ms = max(target_ms, (due - now) * 1000.0)
+        verify_tokens = sum(len(w.draft.token_ids) + 1 for w in runnable)
+        fits = costs.tokens_costing(target_ms - costs.fixed_ms, cfg.max_batch_tokens) - verify_tokens
+        return max(cfg.prefill_min_tokens, fits)
 
     def ready(self, pending: list[VerifyWork], prefilling: list[Session], open_sessions: int,
               oldest: float | None, now: float) -> bool:

@@ -101,10 +101,20 @@ class Session:
     finished: bool = False
     finish_reason: str | None = None
     last_active: float = field(default_factory=time.monotonic)
+    # Its rhythm, for the scheduler (when its next draft is due): when it was last answered (a verdict, or the end
+    # of its prefill), and the usual gap from an answer to its next draft (None until it has sent one).
+    answered_at: float | None = None
+    draft_gap_s: float | None = None
 
     @property
     def prefilled(self) -> bool:
         return self.kv_len >= len(self.tokens) - 1
+
+    def draft_arrived(self, at: float) -> None:
+        """A draft arrived at `at`: the gap since the last answer joins the session's usual gap."""
+        if self.answered_at is not None:
+            gap = max(0.0, at - self.answered_at)
+            self.draft_gap_s = gap if self.draft_gap_s is None else 0.75 * self.draft_gap_s + 0.25 * gap
 
 
 def commit_tokens(

@@ -119,6 +119,38 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_decoding_session(make_tin
     assert all_freed(server)
 
 
+def test_an_idle_session_does_not_shrink_a_long_prompts_chunks(make_tiny_server, tiny):
+    """A session that was prefilled and then sends nothing is idle past IDLE_AFTER_S: a prompt beside it is prefilled
+    in whole-budget steps, not in the 16-token chunks a session in rounds gets (the test above)."""
+    from verify_server.scheduler import IDLE_AFTER_S
+
+    server = make_tiny_server(max_seq_len=1024, prefill_chunk_tokens=16, max_batch_tokens=512)
+
+    async def prompt_beside_idle():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            idle = pb_grpc.VerifierStub(channel).Session()
+            await idle.write(open_msg(tiny, max_tokens=200))
+            await idle.read()
+            await asyncio.sleep(IDLE_AFTER_S + 0.5)  # prefilled at once, then silent
+            before = server.engine.stats()["steps"]
+            heavy = pb_grpc.VerifierStub(channel).Session()
+            await heavy.write(open_msg(tiny, ids=[(7 * i) % 4000 + 1 for i in range(900)], max_tokens=2))
+            hid = (await heavy.read()).opened.session_id
+            await heavy.write(pb.ClientMessage(draft=pb.Draft(session_id=hid)))
+            first = (await heavy.read()).verdict
+            steps = server.engine.stats()["steps"] - before
+            for call in (idle, heavy):
+                call.cancel()
+            return first, steps
+
+    first, steps = run(prompt_beside_idle())
+    assert first.round == 0 and first.HasField("next_token")
+    # 512 + 387 prompt tokens, then the verdict (its step may be counted just after the reply); in 16-token chunks
+    # it would take 58
+    assert steps <= 3
+    assert all_freed(server)
+
+
 def test_device_tokens_name_devices_in_logs_and_metrics_and_quotas_are_per_device(make_tiny_server, tiny, tmp_path,
                                                                                    caplog):
     tokens = tmp_path / "devices.tokens"

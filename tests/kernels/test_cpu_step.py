@@ -11,7 +11,7 @@ import torch
 from kernels.attention import Segment
 from kernels.cpu_step import load_library
 from verify_server.kv_cache import KVCache
-from verify_server.model_runner import ModelInput, ModelRunner
+from verify_server.model_runner import FusedCalibration, ModelInput, ModelRunner
 
 # No skip when the library cannot be built: `make test` needs a C compiler anyway (llama-cpp-python builds from
 # source), so a failed build here is a defect to see, and these tests fail with the compiler's message.
@@ -212,12 +212,13 @@ def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
     fused, _ = _runners(model)
     cost = {1: (1, 2), 2: (2, 3), 4: (3, 4), 8: (5, 5), 12: (7, 6), 16: (8, 9)}  # n: (fused, PyTorch)
     seen = []
-    ratios = fused.calibrate_fused(0, sizes=tuple(cost), timer=lambda n, f: seen.append((n, f)) or cost[n][not f])
+    ratios = fused.calibrate_fused(0, sizes=tuple(cost),
+                                   timer=lambda n, f: seen.append((n, f)) or cost[n][not f]).ratios
     assert fused.fused_max_tokens == 8  # ties count as a win; 12 loses; 16 is never tried
     assert list(ratios) == [1, 2, 4, 8, 12] and ratios[12] == pytest.approx(7 / 6)
     assert seen[:6] == [(1, True), (1, False)] * 3  # alternated, three times each
     # Measured for real (threshold within the sizes tried), the forwards it ran leave the runner as it was.
-    ratios = fused.calibrate_fused(1, sizes=(1, 2, 4, 8), repeats=1)
+    ratios = fused.calibrate_fused(1, sizes=(1, 2, 4, 8), repeats=1).ratios
     assert set(ratios) <= {1, 2, 4, 8} and fused.fused_max_tokens in (0, *ratios)
 
 
@@ -235,7 +236,7 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
             return 20.0
         return 4.0 if f else 5.0
 
-    ratios = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=blip)
+    ratios = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=blip).ratios
     assert fused.fused_max_tokens == 16 and ratios[8] == pytest.approx(0.8)
     assert seen.count((8, True)) == seen.count((8, False)) == 6  # one more round of three pairs at 8
     assert seen.count((4, True)) == 3
@@ -243,7 +244,7 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
     seen.clear()
     real_loss = {1: (1, 2), 2: (2, 3), 4: (5, 4), 8: (1, 9)}  # PyTorch wins at 4 every time; 8 is never tried
     ratios = fused.calibrate_fused(0, sizes=tuple(real_loss),
-                                   timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f])
+                                   timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f]).ratios
     assert fused.fused_max_tokens == 2 and list(ratios) == [1, 2, 4]
     assert seen.count((4, True)) == seen.count((4, False)) == 9  # three rounds of three pairs, then it stops
     seen.clear()
@@ -253,21 +254,80 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
     assert seen.count((4, True)) == 3  # confirm=0: no re-timing
 
 
+def test_a_calibration_past_its_time_bound_stops_and_keeps_a_safe_threshold():
+    """A loaded host times every size slowly: past budget_s no size is started, the threshold is what was measured,
+    at least the uncalibrated default, and the outcome says it was cut."""
+    from verify_server.model_runner import UNCALIBRATED_FUSED_MAX_TOKENS
+
+    model = _model(*SHAPES["head10-tails"])
+    fused, _ = _runners(model)
+    now = [0.0]
+
+    def slow(n, f):  # every timing moves the clock by a second; the fused step always wins
+        now[0] += 1.0
+        return 4.0 if f else 5.0
+
+    done = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=slow, budget_s=10.0, clock=lambda: now[0])
+    assert done.cut and list(done.ratios) == [1, 2]  # 6 s a size: the third starts past 10 s
+    assert done.max_tokens == fused.fused_max_tokens == UNCALIBRATED_FUSED_MAX_TOKENS
+    now[0] = 0.0
+    done = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=slow, budget_s=29.0, clock=lambda: now[0])
+    assert done.cut and list(done.ratios) == [1, 2, 4, 8, 12] and done.max_tokens == 12  # past the default: kept
+    now[0] = 0.0
+    done = fused.calibrate_fused(0, sizes=(1, 2, 4), timer=slow, budget_s=30.0, clock=lambda: now[0])
+    assert not done.cut and done.max_tokens == 4
+
+
 @pytest.mark.model
-def test_the_engine_measures_the_threshold_only_when_it_is_unset(target):
+def test_the_engine_measures_the_threshold_only_when_it_is_unset(target, tmp_path):
     from verify_server.config import ServerConfig
     from verify_server.engine import Engine
 
-    set_ = Engine(ServerConfig(max_sessions=2, max_seq_len=128, fused_max_tokens=5), target)
+    set_ = Engine(ServerConfig(max_sessions=2, max_seq_len=128, fused_max_tokens=5, start_cache_dir=str(tmp_path)),
+                  target)
     set_.warmup()
     assert set_.runner.fused_max_tokens == 5
-    measured = Engine(ServerConfig(max_sessions=2, max_seq_len=128), target)
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing kept
+    measured = Engine(ServerConfig(max_sessions=2, max_seq_len=128, start_cache=False), target)
     calls = []
     real = measured.runner.calibrate_fused
-    measured.runner.calibrate_fused = lambda slot: calls.append(slot) or real(slot, sizes=(1, 2), repeats=1)
+    measured.runner.calibrate_fused = lambda slot, **kw: calls.append(slot) or real(slot, sizes=(1, 2), repeats=1, **kw)
     measured.warmup()
     assert len(calls) == 1 and measured.runner.fused_max_tokens in (0, 1, 2)
     assert measured.kv.num_free == 2  # the warm-up's slot is back
+
+
+@pytest.mark.model
+def test_a_restart_keeps_the_measured_threshold_and_measures_again_past_a_corrupt_or_stale_entry(target, tmp_path):
+    """The first start measures and keeps the threshold; a restart with the same key reads it without measuring; a
+    corrupt entry, or another key (threads here), is measured again and rewritten."""
+    from verify_server.config import ServerConfig
+    from verify_server.engine import Engine
+
+    calls = []
+
+    def start():
+        engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128, start_cache_dir=str(tmp_path)), target)
+        engine.runner.calibrate_fused = lambda slot, **kw: calls.append(kw) or engine.runner.set_fused_max_tokens(
+            len(calls) + 2) or FusedCalibration(len(calls) + 2, {1: 0.5}, False)
+        engine.warmup()
+        return engine
+
+    first = start()
+    assert len(calls) == 1 and calls[0]["budget_s"] == 30.0 and first.runner.fused_max_tokens == 3
+    (entry,) = tmp_path.iterdir()
+    assert start().runner.fused_max_tokens == 3 and len(calls) == 1  # kept: not measured again
+    entry.write_text(entry.read_text().replace('"fused_max_tokens": 3', '"fused_max_tokens": 300'))
+    assert start().runner.fused_max_tokens == 4 and len(calls) == 2  # its checksum fails: measured, rewritten
+    assert start().runner.fused_max_tokens == 4 and len(calls) == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert start().runner.fused_max_tokens == 5 and len(calls) == 3  # another key: measured, kept beside
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list(tmp_path.iterdir())) == 2
+    assert start().runner.fused_max_tokens == 4 and len(calls) == 3
 
 
 def test_fused_modes():

@@ -72,3 +72,88 @@ def test_the_cost_model_fits_fixed_and_per_token_cost_and_sizes_chunks():
     for tokens in (1, 8, 16, 64, 1, 32):
         gpu.record(tokens, (10.0 + 0.02 * tokens) / 1000)  # launch-bound: tokens are nearly free
     assert gpu.tokens_costing(gpu.fixed_ms / 2, 512) in (249, 250)  # 5 ms / 0.02 ms, to rounding
+
+
+def fitted(fixed_ms=20.0, token_ms=2.5):
+    from verify_server.cost_model import StepCostModel
+
+    costs = StepCostModel()
+    for tokens in (1, 8, 16, 64, 1, 32):
+        costs.record(tokens, (fixed_ms + token_ms * tokens) / 1000)
+    return costs
+
+
+def answered(i, at, gap=None):
+    """A prefilled session last answered at `at` (the test's clock), its usual draft gap `gap`."""
+    s = session(i)
+    s.answered_at, s.draft_gap_s = at, gap
+    return s
+
+
+def test_idle_sessions_do_not_shrink_a_prompt_chunk():
+    sched = Scheduler(ServerConfig(max_batch_tokens=512))
+    costs = fitted()
+    prompt = session(9, tokens=1000, kv_len=0)
+    never_drafted = answered(1, at=0.0)  # opened and prefilled, then silent
+    went_quiet = answered(2, at=0.0, gap=0.05)  # drafted every 50 ms, then stopped
+    assert sched.prefill_chunk([], [prompt, never_drafted, went_quiet], now=10.0, costs=costs) is None
+    assert sched.next_draft([], [never_drafted, went_quiet], now=10.0) is None
+    assert sched.hold([], [prompt, never_drafted, went_quiet], now=10.0) == 0.0
+
+
+def test_waiting_drafts_shrink_the_chunk_to_the_step_target():
+    costs = fitted()  # 20 ms a step, 2.5 ms a token
+    prompt = session(9, tokens=1000, kv_len=0)
+    light = answered(1, at=0.0)
+    pending = [work(light, 4)]
+    # the default target is three fixed costs: 60 ms, 40 ms of tokens, 16 of them; the draft takes 5
+    assert Scheduler(ServerConfig()).prefill_chunk(pending, [prompt, light], now=10.0, costs=costs) == 16
+    sched = Scheduler(ServerConfig(step_target_ms=120.0, prefill_min_tokens=4))
+    assert sched.prefill_chunk(pending, [prompt, light], now=10.0, costs=costs) == 40 - 5
+    fixed = Scheduler(ServerConfig(prefill_chunk_tokens=24))
+    assert fixed.prefill_chunk(pending, [prompt, light], now=10.0, costs=costs) == 24
+    assert fixed.prefill_chunk([], [prompt], now=10.0, costs=costs) is None  # nobody waits: no cap at all
+
+
+def test_a_draft_due_within_the_step_shrinks_the_chunk_and_one_due_later_lends_it_the_time_until_then():
+    sched = Scheduler(ServerConfig(step_target_ms=60.0, prefill_min_tokens=4, max_batch_tokens=512))
+    costs = fitted()  # a whole-budget step: 20 + 2.5 * 512 = 1300 ms
+    prompt = session(9, tokens=2000, kv_len=0)
+    soon = answered(1, at=9.995, gap=0.010)  # due at 10.005
+    assert sched.prefill_chunk([], [prompt, soon], now=10.0, costs=costs) == 16  # (60 - 20) / 2.5
+    later = answered(2, at=10.0, gap=0.400)  # due in 400 ms: a chunk that ends by then
+    assert sched.prefill_chunk([], [prompt, later], now=10.0, costs=costs) == (400 - 20) // 2.5
+    beyond = answered(3, at=10.0, gap=2.0)  # due after a whole-budget step would end
+    assert sched.prefill_chunk([], [prompt, beyond], now=10.0, costs=costs) is None
+
+
+def test_the_chunk_never_falls_below_its_floor():
+    costs = fitted(fixed_ms=20.0, token_ms=2.5)
+    prompt = session(9, tokens=1000, kv_len=0)
+    lights = [answered(i, at=0.0) for i in range(12)]
+    pending = [work(s, 8) for s in lights]  # 108 tokens of drafts: past the 60 ms target on their own
+    assert Scheduler(ServerConfig()).prefill_chunk(pending, [prompt, *lights], now=0.0, costs=costs) == 16
+    slow = fitted(fixed_ms=20.0, token_ms=500.0)  # every token past the target
+    assert Scheduler(ServerConfig(prefill_min_tokens=3)).prefill_chunk(pending, lights, now=0.0, costs=slow) == 3
+
+
+def test_a_prefill_step_holds_for_a_draft_due_within_the_batching_window():
+    sched = Scheduler(ServerConfig(max_wait_ms=5.0))
+    light = answered(1, at=10.0, gap=0.002)  # due at 10.002
+    assert abs(sched.hold([], [light], now=10.0) - 0.007) < 1e-9  # until 5 ms past its due time
+    assert sched.hold([], [light], now=10.008) == 0.0  # late past the window: the step goes without it
+    assert sched.hold([work(light, 2)], [light], now=10.0) == 0.0  # a draft waits: nothing to hold for
+    far = answered(2, at=10.0, gap=0.050)
+    assert sched.hold([], [far], now=10.0) == 0.0  # not within the window
+
+
+def test_a_sessions_draft_gap_follows_its_rounds():
+    s = answered(1, at=1.0)
+    s.draft_arrived(1.04)
+    assert abs(s.draft_gap_s - 0.04) < 1e-12
+    s.answered_at = 2.0
+    s.draft_arrived(2.08)
+    assert abs(s.draft_gap_s - (0.75 * 0.04 + 0.25 * 0.08)) < 1e-12
+    fresh = session(2)
+    fresh.draft_arrived(5.0)  # never answered: no gap to learn from
+    assert fresh.draft_gap_s is None
