@@ -84,12 +84,20 @@ class ServerThread:
 
 
 @pytest.fixture(scope="session")
-def target():
+def start_cache(tmp_path_factory):
+    """The session's start cache: the default GGUF target is converted into it once, by `target`."""
+    from verify_server.start_cache import StartCache
+
+    return StartCache(tmp_path_factory.mktemp("start-cache"))
+
+
+@pytest.fixture(scope="session")
+def target(start_cache):
     import torch
 
     from verify_server.model_loader import load_target
 
-    return load_target(None, torch.device("cpu"), torch.float32)
+    return load_target(None, torch.device("cpu"), torch.float32, cache=start_cache)
 
 
 def all_freed(server, within_s=5.0) -> bool:

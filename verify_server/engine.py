@@ -39,6 +39,9 @@ from .step_floor import StepFloor
 log = logging.getLogger(__name__)
 
 Reply = Callable[[object], None]  # receives a result or an exception
+# The config fields a step's cost depends on: the start cache's key names the target's shape by them.
+SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "sliding_window")
 
 
 def build_compute(config: ServerConfig, target: Target, attention: str = "sdpa",
@@ -188,10 +191,8 @@ class Engine:
 
     def start_key(self) -> dict:
         """What start-up measurements depend on: machine, target, dtype, threads, kernels and their builds."""
-        runner = self.runner
-        shape = self.target.model.config.to_dict()
-        for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
-            shape.pop(volatile, None)
+        runner, mcfg = self.runner, self.target.model.config
+        shape = {name: getattr(mcfg, name, None) for name in SHAPE_FIELDS}
         return {"machine": machine_id(), "target": self.target.name,
                 "shape": hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16],
                 "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,

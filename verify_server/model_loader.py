@@ -12,6 +12,8 @@ import torch
 from sled.models import default_model_path
 from sled.v1.fingerprint import vocab_fingerprint
 
+from .start_cache import StartCache
+
 log = logging.getLogger(__name__)
 
 RANDOM_PREFIX = "random:"
@@ -103,8 +105,9 @@ def vocabulary_tokenizer(folder: str | Path | None = None):
 
 
 def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype,
-                tokenizer: str | Path | None = None) -> Target:
-    """The target; `tokenizer` (a tokenizer folder) gives a random target's vocabulary and is refused otherwise."""
+                tokenizer: str | Path | None = None, cache: StartCache | None = None) -> Target:
+    """The target; `tokenizer` (a tokenizer folder) gives a random target's vocabulary and is refused otherwise. A
+    GGUF is converted to a model folder in `cache` at its first load, so later loads skip the GGUF's slow reading."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
@@ -119,6 +122,10 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
             raise ValueError(f"target {path} is a file but not a .gguf; give a GGUF file or a model folder")
         kwargs = {"gguf_file": path.name}
         folder = str(path.parent)
+        kept = cache.get_folder("target", gguf_key(path, dtype)) if cache is not None else None
+        if kept is not None:
+            log.info("target %s as converted at an earlier start (%s)", path.name, kept)
+            kwargs, folder = {}, str(kept)
     else:
         if not (path / "config.json").is_file():  # transformers would blame a missing tokenizer converter first
             raise ValueError(f"target {path} is a folder without config.json; give a Hugging Face model folder "
@@ -129,16 +136,42 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
 
     from .model_runner import check_architecture
 
-    check_architecture(AutoConfig.from_pretrained(folder, **kwargs))  # before reading any weights
+    config = AutoConfig.from_pretrained(folder, **kwargs)
+    check_architecture(config)  # before reading any weights
     log.info("loading target %s (%s, %s)", path, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
+    # the config read once: each read of a GGUF's metadata takes seconds
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs).to(device).eval()
     vocab_size = int(model.config.vocab_size)
     tokens = vocab_tokens(tokenizer, vocab_size)
     eos = model.config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else ()
+    if cache is not None and "gguf_file" in kwargs:
+        cache.put_folder("target", gguf_key(path, dtype), lambda into: save_folder(model, tokenizer, into))
     return Target(model=model, name=path.name, vocab_tokens=tokens, eos_token_ids=eos_ids,
                   fingerprint=vocab_fingerprint(tokens))
+
+
+def gguf_key(path: Path, dtype: torch.dtype) -> dict:
+    """What a GGUF's conversion depends on: the file as it is now, the dtype and the converting libraries."""
+    import gguf
+    import transformers
+
+    stat = path.resolve().stat()
+    return {"gguf": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(dtype),
+            "transformers": transformers.__version__, "gguf_reader": getattr(gguf, "__version__", "")}
+
+
+def save_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """A model loaded from a GGUF as a Hugging Face folder (config, safetensors, tokenizer): transformers keeps GGUF
+    models from save_pretrained, so the weights go through safetensors, tied ones once."""
+    from safetensors.torch import save_model
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_model(model, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(str(folder))
 
 
 @torch.no_grad()

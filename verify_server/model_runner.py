@@ -252,24 +252,27 @@ class ModelRunner:
         fused, the two timed alternately `repeats` times (best of each). A size PyTorch seems to win is timed
         `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
         disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. Past
-        `budget_s` seconds (by `clock`) no further size is started: the threshold is then the sizes measured so
-        far, at least UNCALIBRATED_FUSED_MAX_TOKENS. `timer(n, fused)`, for tests, replaces the measurement."""
+        `budget_s` seconds (by `clock`) no further pair is timed: the threshold is then the sizes measured in full
+        so far, at least UNCALIBRATED_FUSED_MAX_TOKENS. `timer(n, fused)`, for tests, replaces the measurement."""
         timer = timer or (lambda n, fused: self._time_forward(n, slot, fused))
         deadline = clock() + budget_s if budget_s is not None else None
         ratios, best, cut = {}, 0, False
+        late = lambda: deadline is not None and clock() > deadline  # noqa: E731
         for n in (n for n in sizes if n <= self.kv.max_seq_len):
-            if deadline is not None and clock() > deadline:
-                cut = True
-                break
             times = {True: [], False: []}
             for _ in range(1 + confirm):
                 for _ in range(repeats):
+                    if late():  # a size not timed in full does not count
+                        cut = True
+                        break
                     for fused in (True, False):
                         times[fused].append(timer(n, fused))
+                if cut:
+                    break
                 ratios[n] = min(times[True]) / min(times[False])
                 if ratios[n] <= 1.0:
                     break
-            if ratios[n] > 1.0:
+            if cut or ratios[n] > 1.0:
                 break
             best = n
         self.fused_max_tokens = max(best, UNCALIBRATED_FUSED_MAX_TOKENS) if cut else best

@@ -23,6 +23,7 @@ from .config import ServerConfig
 from .engine import Engine
 from .model_loader import Target, load_target, resolve_device, resolve_dtype
 from .servicer import ExceptionInterceptor, VerifierServicer
+from .start_cache import StartCache
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class VerifyServer:
             if self.target is None:
                 device = resolve_device(cfg.device)
                 self.target = await self._on_torch_thread(load_target, cfg.target, device,
-                                                          resolve_dtype(cfg.dtype, device), cfg.tokenizer)
+                                                          resolve_dtype(cfg.dtype, device), cfg.tokenizer,
+                                                          StartCache(cfg.start_cache_folder()))
             engine = await self._on_torch_thread(Engine, cfg, self.target, self.attention)
         await self._on_torch_thread(engine.warmup)
         engine.start(self._torch)
@@ -126,7 +128,7 @@ class VerifyServer:
             device = rank_device(resolve_device(cfg.device), 0)
             if self.target is None:
                 self.target = load_target(cfg.target, torch.device("cpu"), resolve_dtype(cfg.dtype, device),
-                                          cfg.tokenizer)
+                                          cfg.tokenizer, StartCache(cfg.start_cache_folder()))
             shard_model(self.target.model, 0, cfg.tensor_parallel)
             self.target.model.to(device)
             engine = Engine(cfg, self.target, self.attention, self.leader)

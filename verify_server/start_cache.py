@@ -1,8 +1,9 @@
-"""What the server measures at start, kept on disk so that a restart is ready in seconds.
+"""What the server measures or converts at start, kept on disk so that a restart is ready in seconds.
 
 An entry is one JSON file named after what it holds and a hash of its key: what the measurement depends on
 (machine, target, dtype, threads, kernel build). The file repeats the key and carries a checksum of its body, so an
-entry that was edited, cut short or written for another key is measured again and rewritten, never trusted.
+entry that was edited, cut short or written for another key is measured again and rewritten, never trusted. A
+folder entry (a GGUF target converted once) is a folder beside its JSON file, which records every file's checksum.
 """
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bumped when an entry's layout changes: older entries are then stale
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _digest(data) -> str:
@@ -68,3 +79,42 @@ class StartCache:
             os.replace(tmp.name, path)
         except OSError as err:
             log.warning("cannot keep the start cache in %s (%s): the next start measures again", path.parent, err)
+
+    def get_folder(self, name: str, key: dict) -> Path | None:
+        """The folder kept for `key`, every file as its entry recorded it; None where there is none, or the entry or
+        any file is corrupt or stale (logged)."""
+        value = self.get(name, key)
+        if value is None:
+            return None
+        folder = self.path(name, key).with_suffix("")
+        try:
+            files = value["files"]
+            bad = [rel for rel, digest in files.items() if file_digest(folder / rel) != digest]
+        except (OSError, KeyError, TypeError, AttributeError) as err:
+            bad = [str(err)]
+        if bad:
+            log.warning("start cache %s is corrupt (%s does not match its checksum): converting again", folder,
+                        bad[0])
+            return None
+        return folder
+
+    def put_folder(self, name: str, key: dict, write: Callable[[Path], None]) -> None:
+        """Keep the folder `write(folder)` fills for `key`, with every file's checksum; a failure is logged."""
+        path = self.path(name, key)
+        if path is None:
+            return
+        folder = path.with_suffix("")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, suffix=".tmp"))
+            try:
+                write(tmp)
+                files = {str(f.relative_to(tmp)): file_digest(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp, folder)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as err:  # noqa: BLE001 - a conversion that cannot be kept must not fail the start
+            log.warning("cannot keep the start cache in %s (%s): the next start converts again", path.parent, err)
+            return
+        self.put(name, key, {"files": files})

@@ -92,6 +92,7 @@ def worker_main(rank: int, world: int, port: int, config, attention: str) -> Non
     """A rank other than 0: build its shard, then run every command rank 0 broadcasts until told to stop."""
     from .engine import build_compute
     from .model_loader import load_target, resolve_device, resolve_dtype
+    from .start_cache import StartCache
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     device = rank_device(resolve_device(config.device), rank)
@@ -101,7 +102,8 @@ def worker_main(rank: int, world: int, port: int, config, attention: str) -> Non
         torch.cuda.set_device(device)
     shard = init_group(rank, world, port, device)
     try:
-        target = load_target(config.target, torch.device("cpu"), resolve_dtype(config.dtype, device), config.tokenizer)
+        target = load_target(config.target, torch.device("cpu"), resolve_dtype(config.dtype, device), config.tokenizer,
+                             StartCache(config.start_cache_folder()))
         shard_model(target.model, rank, world)
         target.model.to(device)
         kv, runner, prefix_cache = build_compute(config, target, attention, shard)

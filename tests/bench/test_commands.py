@@ -45,7 +45,10 @@ def test_the_soak_kills_and_restarts_the_server_and_loses_nothing():
 @pytest.mark.model
 def test_fairness_compares_chunk_sizes_side_by_side():
     done = bench("fairness", "--target", "random:llama-tiny", "--chunks", "512,auto", "--seconds", "1",
-                 "--repeats", "1", "--heavy", "2", "--prompt-tokens", "200", "--no-markdown")
+                 "--repeats", "1", "--light", "2", "--heavy", "2", "--prompt-tokens", "200", "--ttft-tokens", "100",
+                 "--ttft-prompts", "1", "--no-markdown")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 512 |") or line.startswith("| auto |")]
-    assert len(rows) == 2 and all(row.count("|") == 9 for row in rows)
+    assert len(rows) == 4 and all(row.count("|") == 8 for row in rows)  # both tables, a row per setting
+    assert all("nan" not in row for row in rows)  # every phase measured something
+    assert "TTFT alone, median ms" in done.stdout and "prompts a minute" in done.stdout

@@ -255,8 +255,8 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
 
 
 def test_a_calibration_past_its_time_bound_stops_and_keeps_a_safe_threshold():
-    """A loaded host times every size slowly: past budget_s no size is started, the threshold is what was measured,
-    at least the uncalibrated default, and the outcome says it was cut."""
+    """A loaded host times every size slowly: past budget_s no pair is timed, the threshold is what was measured in
+    full, at least the uncalibrated default, and the outcome says it was cut."""
     from verify_server.model_runner import UNCALIBRATED_FUSED_MAX_TOKENS
 
     model = _model(*SHAPES["head10-tails"])
@@ -273,6 +273,9 @@ def test_a_calibration_past_its_time_bound_stops_and_keeps_a_safe_threshold():
     now[0] = 0.0
     done = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=slow, budget_s=29.0, clock=lambda: now[0])
     assert done.cut and list(done.ratios) == [1, 2, 4, 8, 12] and done.max_tokens == 12  # past the default: kept
+    now[0] = 0.0
+    done = fused.calibrate_fused(0, sizes=(1, 2, 4), timer=slow, budget_s=7.0, clock=lambda: now[0])
+    assert done.cut and list(done.ratios) == [1] and now[0] == 8.0  # cut inside size 2, which does not count
     now[0] = 0.0
     done = fused.calibrate_fused(0, sizes=(1, 2, 4), timer=slow, budget_s=30.0, clock=lambda: now[0])
     assert not done.cut and done.max_tokens == 4
@@ -314,7 +317,7 @@ def test_a_restart_keeps_the_measured_threshold_and_measures_again_past_a_corrup
         return engine
 
     first = start()
-    assert len(calls) == 1 and calls[0]["budget_s"] == 30.0 and first.runner.fused_max_tokens == 3
+    assert len(calls) == 1 and calls[0]["budget_s"] == 20.0 and first.runner.fused_max_tokens == 3
     (entry,) = tmp_path.iterdir()
     assert start().runner.fused_max_tokens == 3 and len(calls) == 1  # kept: not measured again
     entry.write_text(entry.read_text().replace('"fused_max_tokens": 3', '"fused_max_tokens": 300'))

@@ -41,3 +41,20 @@ def test_an_unexpected_error_in_a_message_is_that_message_s_answer_and_the_worke
         engine.stop()
     assert isinstance(replies[0], SledError) and replies[0].code == "INTERNAL" and "a bug" in replies[0].message
     assert not isinstance(replies[1], Exception) and replies[1].tokens == [1, 2, 3]
+
+
+@pytest.mark.model
+def test_a_gguf_target_loads_again_from_its_converted_folder_as_it_was(target, start_cache):
+    """The session's `target` converted the default GGUF into the start cache; a second load reads the folder and
+    gives the same weights, vocabulary, stop tokens and name."""
+    import torch
+
+    from verify_server.model_loader import gguf_key, load_target
+    from sled.models import default_model_path
+
+    assert start_cache.get_folder("target", gguf_key(default_model_path(), torch.float32)) is not None
+    again = load_target(None, torch.device("cpu"), torch.float32, cache=start_cache)
+    assert again.name == target.name and again.fingerprint == target.fingerprint
+    assert again.eos_token_ids == target.eos_token_ids and again.vocab_tokens == target.vocab_tokens
+    ours, theirs = target.model.state_dict(), again.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -51,3 +51,57 @@ def test_no_folder_keeps_nothing_and_an_unwritable_one_is_logged(tmp_path, caplo
     caplog.set_level(logging.WARNING, logger="verify_server.start_cache")
     StartCache(blocked / "start").put("fused", KEY, {"fused_max_tokens": 48})
     assert "cannot keep the start cache" in caplog.text
+
+
+def fill(folder):
+    (folder / "weights.bin").write_bytes(bytes(range(256)) * 64)
+    (folder / "sub").mkdir()
+    (folder / "sub" / "vocab.txt").write_text("a\nb\n")
+
+
+def test_a_folder_entry_is_kept_whole_and_a_changed_or_missing_file_is_not_trusted(tmp_path, caplog):
+    cache = StartCache(tmp_path / "start")
+    assert cache.get_folder("target", KEY) is None
+    cache.put_folder("target", KEY, fill)
+    folder = cache.get_folder("target", KEY)
+    assert (folder / "sub" / "vocab.txt").read_text() == "a\nb\n"
+    assert cache.get_folder("target", {**KEY, "dtype": "bf16"}) is None  # another key: not this folder
+    caplog.set_level(logging.WARNING, logger="verify_server.start_cache")
+    weights = folder / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 1  # one bit flipped
+    weights.write_bytes(bytes(data))
+    assert cache.get_folder("target", KEY) is None and "weights.bin does not match" in caplog.text
+    cache.put_folder("target", KEY, fill)  # converted again, in place
+    assert cache.get_folder("target", KEY) == folder
+    (folder / "sub" / "vocab.txt").unlink()
+    assert cache.get_folder("target", KEY) is None
+    assert not [p for p in (tmp_path / "start").iterdir() if p.name.endswith(".tmp")]  # no half-written folder
+
+
+def test_a_failed_conversion_keeps_nothing(tmp_path):
+    cache = StartCache(tmp_path)
+
+    def broken(folder):
+        (folder / "part").write_text("half")
+        raise OSError("disk full")
+
+    cache.put_folder("target", KEY, broken)
+    assert cache.get_folder("target", KEY) is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_ggufs_key_follows_the_file_and_the_dtype(tmp_path):
+    import os
+
+    import torch
+
+    from verify_server.model_loader import gguf_key
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    key = gguf_key(path, torch.float32)
+    assert gguf_key(path, torch.float32) == key
+    assert gguf_key(path, torch.bfloat16) != key
+    os.utime(path, ns=(1, 1))  # replaced by another file of the same size
+    assert gguf_key(path, torch.float32) != key
+    json.dumps(key)  # a key is plain JSON: it compares equal after a round trip
