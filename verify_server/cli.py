@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, help=f"tokens per step, drafts plus prefill (default {d.max_batch_tokens})")
     p.add_argument("--step-target-ms", type=float, metavar="MS",
                    help="while a draft waits or is due, a step prefills only as many prompt tokens as keep it within "
-                        "this time, so a long prompt is prefilled over several steps (default: three times the step's "
+                        "this time, so a long prompt is prefilled over several steps (default: twice the step's "
                         "fixed cost, as measured)")
     p.add_argument("--prefill-min-tokens", type=int, metavar="N",
                    help=f"the fewest prompt tokens a step prefills while a prompt waits (default {d.prefill_min_tokens})")

@@ -33,7 +33,7 @@ class ServerConfig:
     max_batch_sessions: int = 16  # verification requests in one step
     max_batch_tokens: int = 512  # tokens (draft + prefill) in one step
     # Prompt chunks (docs/architecture.md, "Prefill"): while a draft waits, or a session's next draft is due before a
-    # step of max_batch_tokens would end, a step prefills only what keeps it within step_target_ms (None: three times
+    # step of max_batch_tokens would end, a step prefills only what keeps it within step_target_ms (None: twice
     # the step's fitted fixed cost), at least prefill_min_tokens; otherwise up to max_batch_tokens. Idle sessions do
     # not count. prefill_chunk_tokens, where set, is the chunk in place of the one step_target_ms gives.
     step_target_ms: float | None = None

@@ -245,11 +245,16 @@ class Engine:
     def _ready(self, now: float) -> bool:
         # The batching window counts from the worker's intake, not from arrival: a draft handed in during a step
         # still waits up to max_wait_ms after it, so the devices that step just answered can join the next one.
-        oldest = self._pending[0].enqueued if self._pending else None
+        # Drafts of sessions still prefilling cannot run yet: they neither open the window nor stop a hold.
+        runnable = self._runnable()
         prefilling = self._prefilling()
-        if prefilling and oldest is None:
-            return self.scheduler.hold(self._pending, list(self._sessions.values()), now) <= 0
+        if prefilling and not runnable:
+            return self.scheduler.hold(runnable, list(self._sessions.values()), now) <= 0
+        oldest = runnable[0].enqueued if runnable else None
         return self.scheduler.ready(self._pending, prefilling, self._in_rounds(now), oldest, now)
+
+    def _runnable(self) -> list[VerifyWork]:
+        return [w for w in self._pending if w.session.prefilled]
 
     def _in_rounds(self, now: float) -> int:
         """Sessions a step may wait for: a draft waiting, a prompt to prefill, or a draft due (not idle ones)."""
@@ -261,10 +266,11 @@ class Engine:
         now = time.monotonic()
         if self._ready(now):
             return 0.0
-        if self._pending:
-            return max(0.0, self.config.max_wait_ms / 1000.0 - (now - self._pending[0].enqueued))
+        runnable = self._runnable()
+        if runnable:
+            return max(0.0, self.config.max_wait_ms / 1000.0 - (now - runnable[0].enqueued))
         if self._prefilling():
-            return self.scheduler.hold(self._pending, list(self._sessions.values()), now)
+            return self.scheduler.hold(runnable, list(self._sessions.values()), now)
         return 0.2
 
     def _drain(self, timeout: float) -> None:

@@ -12,6 +12,8 @@ from .sessions import DraftRequest, Session
 # A session whose draft is overdue by more than this, and by more than twice its usual gap, is idle: no step is
 # shortened or held for it.
 IDLE_AFTER_S = 0.5
+# A step's target time while drafts wait or are due, where step_target_ms is unset: this many of its fixed cost.
+STEP_TARGET_FIXED_COSTS = 2.0
 
 
 def draft_expected(session: Session, now: float) -> float | None:
@@ -91,7 +93,7 @@ class Scheduler:
             return None
         if cfg.prefill_chunk_tokens is not None:
             return cfg.prefill_chunk_tokens
-        target_ms = cfg.step_target_ms if cfg.step_target_ms is not None else 3.0 * costs.fixed_ms
+        target_ms = cfg.step_target_ms if cfg.step_target_ms is not None else STEP_TARGET_FIXED_COSTS * costs.fixed_ms
         if not runnable:
             target_ms = max(target_ms, (due - now) * 1000.0)
         verify_tokens = sum(len(w.draft.token_ids) + 1 for w in runnable)

@@ -106,8 +106,9 @@ def test_waiting_drafts_shrink_the_chunk_to_the_step_target():
     prompt = session(9, tokens=1000, kv_len=0)
     light = answered(1, at=0.0)
     pending = [work(light, 4)]
-    # the default target is three fixed costs: 60 ms, 40 ms of tokens, 16 of them; the draft takes 5
-    assert Scheduler(ServerConfig()).prefill_chunk(pending, [prompt, light], now=10.0, costs=costs) == 16
+    # the default target is two fixed costs: 40 ms, 20 ms of tokens, 8 of them; the draft takes 5
+    assert Scheduler(ServerConfig(prefill_min_tokens=1)).prefill_chunk(pending, [prompt, light], now=10.0,
+                                                                       costs=costs) == 3
     sched = Scheduler(ServerConfig(step_target_ms=120.0, prefill_min_tokens=4))
     assert sched.prefill_chunk(pending, [prompt, light], now=10.0, costs=costs) == 40 - 5
     fixed = Scheduler(ServerConfig(prefill_chunk_tokens=24))
