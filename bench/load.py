@@ -67,6 +67,8 @@ class Window:
     start: float = 0.0
     # per counted round, how long its draft waited at the server through earlier steps (ms, Verdict.queue_ms)
     queued: list[float] = field(default_factory=list)
+    # per request that ended inside the window, not cut at its end: (TTFT, TPOT) in seconds (request_latency)
+    latencies: list[tuple[float, float]] = field(default_factory=list)
 
 
 # The window waits for every device's first commit, but not past this: a device the server starves is then
@@ -95,7 +97,8 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     async def device(d):
         # per round committed inside the window, from each request: (time, tokens, seconds), the step that verified
         # it, the reply before it, its wait through earlier steps; and over the whole run, the drafting and the ends
-        got = {"rounds": [], "steps": [], "replies": [], "queued": [], "results": [], "drafting": [], "ends": []}
+        got = {"rounds": [], "steps": [], "replies": [], "queued": [], "results": [], "drafting": [], "ends": [],
+               "latencies": []}
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = policy.controller() if policy.adaptive and policy.drafts else None
         own = VerifierClient(link.address, own_connection=True) if link else None
@@ -104,9 +107,16 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
             while time.perf_counter() < end:
                 p = (d + j) % len(prompt_ids)
                 drafter = Timeline(make_drafter(p), on_commit=lambda: first_commit.__setitem__(d, True))
+                cut = []  # not empty once the window's end stopped the request
+
+                def stop() -> bool:
+                    if time.perf_counter() >= end:
+                        cut.append(True)
+                    return bool(cut)
+
+                asked = time.perf_counter()
                 r = await generate(own or client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens,
-                                   policy=policy, controller=controller,
-                                   should_stop=lambda: time.perf_counter() >= end)
+                                   policy=policy, controller=controller, should_stop=stop)
                 if not r.token_ids and time.perf_counter() >= end:
                     break  # the window ended before this request reached the server: it was never made
                 inside = [start <= t < end for t in drafter.commits]
@@ -115,6 +125,8 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
                                        ("queued", r.round_queue_ms)):
                     got[key] += [x for x, keep in zip(per_round, inside) if keep]
                 got["results"].append(r)
+                if not cut and drafter.commits and start <= drafter.commits[-1] < end:
+                    got["latencies"].append(request_latency(asked, drafter.commits, len(r.token_ids)))
                 got["drafting"] += drafter.drafting
                 if drafter.commits:  # its final verdict (one cut at the window's end comes after the window)
                     got["ends"].append(drafter.commits[-1])
@@ -154,7 +166,23 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     return Window(seconds, [dev["rounds"] for dev in devices], joined("results"), before, after, opened_s, stolen,
                   devices_cpu, link_cpu, steps=joined("steps"), replies=joined("replies"),
                   drafting=[(dev["drafting"], dev["ends"]) for dev in devices], start=t0 + opened_s,
-                  queued=joined("queued"))
+                  queued=joined("queued"), latencies=joined("latencies"))
+
+
+def request_latency(asked: float, commits: list[float], tokens: int) -> tuple[float, float]:
+    """A request's TTFT (from its start to its first committed tokens) and TPOT, as vLLM defines them: (end-to-end
+    − TTFT) / (tokens − 1), nan for a single token. Tokens committed together count as arriving together."""
+    ttft = commits[0] - asked
+    return ttft, (commits[-1] - commits[0]) / (tokens - 1) if tokens > 1 else float("nan")
+
+
+def latency_figures(latencies: list[tuple[float, float]]) -> dict:
+    """The window's requests (Window.latencies) as row fields, in ms; nan where no request ended inside it."""
+    ttft = np.array([t for t, _ in latencies], dtype=float) * 1000
+    tpot = np.array([t for _, t in latencies if not np.isnan(t)], dtype=float) * 1000
+    pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else float("nan")  # noqa: E731
+    return {"p50_tpot_ms": pct(tpot, 50), "p95_tpot_ms": pct(tpot, 95), "p95_ttft_ms": pct(ttft, 95),
+            "requests_timed": len(latencies)}
 
 
 def summarize(mode, n, w: Window):
@@ -193,6 +221,7 @@ def summarize(mode, n, w: Window):
         **drafting_figures(w),
         **reply_figures(w.replies),
         **queue_figures(w.queued),
+        **latency_figures(w.latencies),
     }
 
 

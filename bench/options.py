@@ -13,11 +13,9 @@ from .cli import counts_arg, positive
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def system_parser(description: str, slo_default: float, devices: str = "1,4,16,32") -> argparse.ArgumentParser:
+def system_parser(description: str, devices: str = "1,4,16,32") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=counts_arg, default=counts_arg(devices), help=f"device counts (default {devices})")
-    p.add_argument("--slo-ms", type=positive(), default=slo_default,
-                   help=f"p95 inter-token latency target (default {slo_default:g})")
     p.add_argument("--max-tokens", type=positive(int), default=64, help="tokens a request (default 64)")
     p.add_argument("--seconds", type=positive(), default=8.0, help="length of the measured window (default 8)")
     p.add_argument("--warmup-s", type=float, default=1.0, help="time before the window opens (default 1)")

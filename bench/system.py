@@ -241,9 +241,12 @@ def heading(args) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli import positive
     from .options import system_parser
 
-    return system_parser(__doc__, slo_default=150.0)
+    p = system_parser(__doc__)
+    p.add_argument("--slo-ms", type=positive(), default=150.0, help="p95 inter-token latency target (default 150)")
+    return p
 
 
 def main(args) -> int:

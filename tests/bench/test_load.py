@@ -3,12 +3,14 @@ replayed-load commands end to end."""
 
 import asyncio
 import json
+import math
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edge_client.policy import DraftPolicy
@@ -259,13 +261,14 @@ def test_sled_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
 
 
 def test_sled_bench_capacity_raises_the_count_until_the_target_and_names_what_stopped_it(tmp_path):
-    """On the tiny target with steps padded to 5 ms + 0.5 ms a token, server-only's inter-token latency is a step;
-    at 20 ms the counts tried (1, 2, 4) all pass for both modes at a loose target, and at a tight one (1 ms, below
-    any step) none does: every mode stops at the target at the first count."""
+    """On the tiny target with steps padded to 5 ms + 0.5 ms a token, server-only's TPOT is at least a step; the
+    counts tried (1, 2, 4) all pass for both modes at a loose target, and at a tight one (a TPOT of 1 ms, below any
+    step) none does: every mode stops at the target at the first count."""
     md, out = tmp_path / "bench.md", tmp_path / "capacity.json"
     common = [BIN / "sled-bench", "capacity", *TINY, "--draft-match", str(match_file(tmp_path)), "--seconds", "1",
               "--repeats", "1", "--markdown", str(md), "--plots", str(tmp_path / "plots")]
-    done = subprocess.run([*common, "--devices", "1,2,4", "--slo-ms", "1000", "--json", str(out)],
+    done = subprocess.run([*common, "--devices", "1,2,4", "--slo-tpot-ms", "1000", "--slo-ttft-ms", "60000", "--json",
+                           str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
@@ -274,13 +277,31 @@ def test_sled_bench_capacity_raises_the_count_until_the_target_and_names_what_st
     caps = {c["mode"]: c for c in got["capacity"]}
     assert set(caps) == {"sled", "server-only"}
     for c in caps.values():
-        assert set(c) == {"mode", "devices", "system_tokens_per_s", "bound"}
+        assert set(c) == {"mode", "devices", "system_tokens_per_s", "bound", "slo"}
         assert c["devices"] == 4 and c["bound"] == "largest count tried" and c["system_tokens_per_s"] > 0
+        assert c["slo"] == {"p95_tpot_ms": 1000.0, "p95_ttft_ms": 60000.0}
+    for r in got["rows"]:  # every count timed whole requests, their TPOT at least the padded step
+        assert r["requests_timed"] > 0 and 5.0 <= r["p50_tpot_ms"] <= r["p95_tpot_ms"] and r["p95_ttft_ms"] > 0
+        assert {"p50_inter_token_ms", "p95_inter_token_ms", "system_tokens_per_s"} <= set(r)
     text = md.read_text()
     assert "## Capacity at a latency target" in text and "| sled | 4 |" in text and "largest count tried" in text
-    done = subprocess.run([*common, "--devices", "1,2", "--slo-ms", "1", "--json", str(out)],
+    done = subprocess.run([*common, "--devices", "1,2", "--slo-tpot-ms", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
     assert all(c["devices"] == 0 and c["bound"] == "slo" for c in got["capacity"])
     assert {r["devices"] for r in got["rows"]} == {1}  # no mode met the target: the count stopped rising
+
+
+def test_a_requests_ttft_and_tpot_follow_vllms_definitions():
+    from bench.load import latency_figures, request_latency
+
+    # asked at 10.0; rounds commit at 10.3 (first tokens), 10.5 and 10.9; 9 tokens in all
+    ttft, tpot = request_latency(10.0, [10.3, 10.5, 10.9], 9)
+    assert ttft == pytest.approx(0.3) and tpot == pytest.approx(0.6 / 8)  # (e2e 0.9 − TTFT 0.3) / (9 − 1)
+    assert math.isnan(request_latency(10.0, [10.3], 1)[1])  # one token: no TPOT
+    figures = latency_figures([(0.3, 0.075), (0.1, 0.025), (0.2, float("nan"))])
+    assert figures["requests_timed"] == 3 and figures["p50_tpot_ms"] == pytest.approx(50.0)
+    assert figures["p95_ttft_ms"] == pytest.approx(np.percentile([300, 100, 200], 95))
+    empty = latency_figures([])
+    assert empty["requests_timed"] == 0 and math.isnan(empty["p95_tpot_ms"])
