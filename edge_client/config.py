@@ -25,22 +25,25 @@ class EdgeConfig:
     draft_model: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
     onnx_model: str | None = None  # .onnx for the onnx drafter
     tokenizer: str | None = None  # GGUF whose vocabulary tokenizes (default: draft_model)
-    draft_tokens: int = 4  # K when adaptive_draft is off (0: no drafting)
-    adaptive_draft: bool = True  # choose K each round from acceptance, round trip and server load
-    max_draft_tokens: int = 8  # the adaptive K's upper bound and first value
-    draft_ahead: bool = True  # draft on while a draft is verified, used when the server accepts it all
-    confidence_stop: bool = False  # the adaptive draft ends early at a token the drafter is too unsure of
+    # How the device drafts (DraftPolicy, whose defaults these are): K when adaptive_draft is off (0: no drafting);
+    # K chosen each round from acceptance, round trip and server load; the adaptive K's upper bound and first value;
+    # drafting on while a draft is verified; the adaptive draft ending early at a token the drafter is unsure of.
+    draft_tokens: int = DraftPolicy.draft_tokens
+    adaptive_draft: bool = DraftPolicy.adaptive
+    max_draft_tokens: int = DraftPolicy.max_draft_tokens
+    draft_ahead: bool = DraftPolicy.draft_ahead
+    confidence_stop: bool = DraftPolicy.confidence_stop
     # How the server verifies greedy requests: exact (lossless) or fly (FLy, loosely: the text is then no longer
     # exactly the target's); None: the server's default. Sampled requests are always verified exactly.
     verification: str | None = None
     fly_window: int = 0  # FLy's deferred window W; 0: the server's
     fly_entropy_threshold: float = 0.0  # FLy's entropy gate (nats); 0: the server's
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
-    gpu_layers: int = 0  # llama.cpp layers offloaded to the GPU (Jetson)
+    gpu_layers: int = DrafterOptions.gpu_layers  # llama.cpp layers offloaded to the GPU (Jetson)
     # llama.cpp flash attention, on as in llama.cpp itself (llama-cpp-python turns it off unless asked): faster
     # drafting for slightly less agreement with the target (docs/device.md, "Drafters").
-    flash_attn: bool = True
-    context_size: int = 4096  # drafter context
+    flash_attn: bool = DrafterOptions.flash_attn
+    context_size: int = DrafterOptions.context_size  # drafter context
     auth_token: str | None = None  # the verify server's bearer token (or SLED_AUTH_TOKEN in the environment)
     auth_token_file: str | None = None  # a file whose first line is that token, to keep it out of the config
     # TLS to the verify server: on when tls is true, or when it is unset and tls_ca or tls_cert is set; tls_ca: the
@@ -52,9 +55,11 @@ class EdgeConfig:
     tls_server_name: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    fallback: str = "wait"  # wait | local | fail while the server is unreachable
-    wait_deadline_s: float = 120.0
-    round_timeout_s: float = 30.0
+    # While the server is unreachable (Resilience, whose defaults these are): wait | local | fail; how long `wait`
+    # waits; the deadline of one round and of one Open.
+    fallback: str = Resilience.fallback
+    wait_deadline_s: float = Resilience.wait_deadline_s
+    round_timeout_s: float = Resilience.round_timeout_s
     http_host: str = "127.0.0.1"  # the local OpenAI-compatible API
     http_port: int = 8080
     # When set, the local API's /v1 routes take only requests that carry it (`Authorization: Bearer KEY`, the

@@ -54,10 +54,7 @@ class _Generation:
     async def propose(self, context: list[int], k: int, stop=None) -> Proposal:
         """The drafter's next k tokens, timed into this round's drafting."""
         t0 = time.perf_counter()
-        if stop is None:  # drafters written before the stop rule take no third argument
-            proposal = await asyncio.to_thread(self.drafter.propose, context, k)
-        else:
-            proposal = await asyncio.to_thread(self.drafter.propose, context, k, stop)
+        proposal = await asyncio.to_thread(self.drafter.propose, context, k, stop)
         self.drafting[0] += time.perf_counter() - t0
         self.drafting[1] += len(proposal.token_ids)
         return proposal

@@ -7,7 +7,6 @@ import json
 import time
 from pathlib import Path
 
-from .adaptive import AdaptiveDraftLength
 from .config import EdgeConfig
 from .drafters import create_drafter
 from .generation import generate
@@ -34,8 +33,7 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
     drafter = create_drafter(config.drafter, config.drafter_options())
     client = connect(config.server, config.token(), config.channel_tls(), affinity=name)
     policy, resilience = config.draft_policy(), config.resilience()
-    controller = AdaptiveDraftLength.for_device(config.max_draft_tokens, config.draft_ahead,  # kept across requests
-                                                config.confidence_stop)
+    controller = policy.controller() if policy.adaptive and policy.drafts else None  # kept across requests
     runs = []
     start = time.perf_counter()
     try:
@@ -72,15 +70,11 @@ def write_summary(summary: dict, path: str | None) -> None:
 def main_workload(args) -> int:
     import sys
 
-    from .config import load_edge_config
+    from .cli import edge_config
     from .transport import VerifyError
 
     try:
-        config = load_edge_config(args.config, server=args.server, drafter=args.drafter, draft_model=args.draft_model,
-                                  onnx_model=args.onnx_model, threads=args.threads, auth_token=args.auth_token,
-                                  auth_token_file=args.auth_token_file, tls=args.tls, tls_ca=args.tls_ca,
-                                  tls_server_name=args.tls_server_name, tls_cert=args.tls_cert,
-                                  tls_key=args.tls_key)
+        config = edge_config(args)
         summary = asyncio.run(run_workload(config, args.requests, args.max_tokens, args.name, args.offset,
                                            args.temperature, log=lambda m: print(m, flush=True)))
     except VerifyError as err:

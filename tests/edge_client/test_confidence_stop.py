@@ -231,7 +231,7 @@ def test_the_replayed_drafter_stops_where_the_recorded_one_would():
 
 
 def test_the_switch_is_a_device_setting(tmp_path):
-    from edge_client.cli import build_parser, serve_config
+    from edge_client.cli import build_parser, edge_config
     from edge_client.config import load_edge_config
 
     assert load_edge_config().confidence_stop is False  # off by default (README: it cut drafts short under load)
@@ -244,13 +244,13 @@ def test_the_switch_is_a_device_setting(tmp_path):
     yaml_off = tmp_path / "device.yaml"
     yaml_off.write_text("confidence_stop: false\n")
     parse = build_parser().parse_args
-    assert serve_config(parse(["serve", "--config", str(yaml_off)])).confidence_stop is False
-    assert serve_config(parse(["serve", "--config", str(yaml_off), "--confidence-stop"])).confidence_stop is True
-    assert serve_config(parse(["serve", "--no-confidence-stop"])).confidence_stop is False
+    assert edge_config(parse(["serve", "--config", str(yaml_off)])).confidence_stop is False
+    assert edge_config(parse(["serve", "--config", str(yaml_off), "--confidence-stop"])).confidence_stop is True
+    assert edge_config(parse(["serve", "--no-confidence-stop"])).confidence_stop is False
     yaml_on = tmp_path / "on.yaml"
     yaml_on.write_text("confidence_stop: true\n")
-    assert serve_config(parse(["serve", "--config", str(yaml_on)])).confidence_stop is True
-    assert serve_config(parse(["serve", "--config", str(yaml_on), "--no-confidence-stop"])).confidence_stop is False
+    assert edge_config(parse(["serve", "--config", str(yaml_on)])).confidence_stop is True
+    assert edge_config(parse(["serve", "--config", str(yaml_on), "--no-confidence-stop"])).confidence_stop is False
 
 
 def test_a_drafted_token_goes_out_at_its_step_share_and_another_is_drafted_only_where_worth_its_drafting():

@@ -34,17 +34,17 @@ def test_flags_override_yaml(tmp_path):
 
 
 def test_flash_attention_is_on_unless_turned_off(tmp_path):
-    from edge_client.cli import build_parser, serve_config
+    from edge_client.cli import build_parser, edge_config
 
     parse = build_parser().parse_args
-    assert parse(["generate", "hi"]).flash_attn is True
-    assert parse(["generate", "hi", "--no-flash-attn"]).flash_attn is False
-    assert serve_config(parse(["serve"])).flash_attn is True
-    assert serve_config(parse(["serve", "--no-flash-attn"])).flash_attn is False
+    assert edge_config(parse(["generate", "hi"])).flash_attn is True
+    assert edge_config(parse(["generate", "hi", "--no-flash-attn"])).flash_attn is False
+    assert edge_config(parse(["serve"])).flash_attn is True
+    assert edge_config(parse(["serve", "--no-flash-attn"])).flash_attn is False
     off = tmp_path / "off.yaml"
     off.write_text("flash_attn: false\n")
-    assert serve_config(parse(["serve", "--config", str(off)])).flash_attn is False
-    assert serve_config(parse(["serve", "--config", str(off), "--flash-attn"])).flash_attn is True
+    assert edge_config(parse(["serve", "--config", str(off)])).flash_attn is False
+    assert edge_config(parse(["serve", "--config", str(off), "--flash-attn"])).flash_attn is True
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -141,3 +141,34 @@ def test_max_queued_may_be_zero_but_not_negative():
     assert load_edge_config(max_queued=0).max_queued == 0  # no waiting: a request past max_concurrent is refused
     with pytest.raises(ValueError, match="max_queued must be >= 0, got -1"):
         load_edge_config(max_queued=-1)
+
+
+def test_each_default_is_written_once_and_every_command_builds_through_edge_config():
+    """The drafting, resilience and drafter defaults live in DraftPolicy, Resilience and DrafterOptions; EdgeConfig
+    takes them from there, and a flag not given leaves it to EdgeConfig, for generate, serve and workload alike."""
+    from dataclasses import fields
+
+    from edge_client.cli import build_parser, edge_config
+    from edge_client.config import EdgeConfig
+    from edge_client.drafters.base import DrafterOptions
+    from edge_client.policy import DraftPolicy
+    from edge_client.resilience import Resilience
+
+    plain = EdgeConfig()
+    assert plain.draft_policy() == DraftPolicy()
+    assert plain.resilience() == Resilience()
+    assert plain.drafter_options() == DrafterOptions()
+    parse = build_parser().parse_args
+    for argv in (["generate", "hi"], ["serve"], ["workload"]):
+        assert edge_config(parse(argv)) == plain, argv
+    names = {f.name for f in fields(EdgeConfig)}
+    for argv in (["generate", "hi"], ["serve"], ["workload"]):  # no flag carries a default of its own
+        assert all(v is None for k, v in vars(parse(argv)).items() if k in names), argv
+    given = edge_config(parse(["generate", "hi", "--no-adaptive", "--draft-tokens", "6", "--wait-deadline", "9",
+                               "--round-timeout", "3", "--gpu-layers", "2"]))
+    assert given.draft_policy() == DraftPolicy(draft_tokens=6, adaptive=False)
+    assert given.resilience() == Resilience(wait_deadline_s=9.0, round_timeout_s=3.0)
+    assert given.drafter_options().gpu_layers == 2
+    helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
+    assert f"(default {DraftPolicy.max_draft_tokens})" in helps["max_draft_tokens"]
+    assert f"(default {Resilience.wait_deadline_s:g})" in helps["wait_deadline_s"]
