@@ -8,11 +8,10 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from .adaptive import AdaptiveDraftLength
 from .config import EdgeConfig
 from .drafters import create_drafter
 from .generation import generate
-from .policy import DraftPolicy
+from .policy import DraftLength, DraftPolicy
 from .result import GenerationResult
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -81,9 +80,8 @@ class Agent:
         self.served = 0
         self._server_context: int | None = None  # the verify server's context limit, once asked
 
-    def _controller(self) -> AdaptiveDraftLength:
-        return AdaptiveDraftLength.for_device(self.config.max_draft_tokens, self.config.draft_ahead,
-                                              self.config.confidence_stop)
+    def _controller(self) -> DraftLength:
+        return self.policy.controller()
 
     async def _drafter(self) -> tuple:
         if self._idle.empty() and self._made < self.config.max_concurrent:

@@ -79,7 +79,7 @@ class ServerConfig:
     # restart skips it; start_cache false measures at every start. calibration_budget_s bounds the measuring.
     start_cache: bool = True
     start_cache_dir: str | None = None
-    calibration_budget_s: float = 20.0
+    calibration_budget_s: float = 15.0
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int | None = None  # seed for sessions that ask for none (reproducible runs)
     # A floor under every forward: it lasts at least min_step_ms + min_step_ms_per_token * its tokens, the rest slept.

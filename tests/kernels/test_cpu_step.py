@@ -317,7 +317,7 @@ def test_a_restart_keeps_the_measured_threshold_and_measures_again_past_a_corrup
         return engine
 
     first = start()
-    assert len(calls) == 1 and calls[0]["budget_s"] == 20.0 and first.runner.fused_max_tokens == 3
+    assert len(calls) == 1 and calls[0]["budget_s"] == 15.0 and first.runner.fused_max_tokens == 3
     (entry,) = tmp_path.iterdir()
     assert start().runner.fused_max_tokens == 3 and len(calls) == 1  # kept: not measured again
     entry.write_text(entry.read_text().replace('"fused_max_tokens": 3', '"fused_max_tokens": 300'))

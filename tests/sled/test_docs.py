@@ -37,3 +37,26 @@ def test_no_user_doc_cites_an_issue_number():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         found = re.findall(r"\bissues? #?\d+", path.read_text(), flags=re.IGNORECASE)
         assert not found, f"{path.name} cites {found}"
+
+
+def section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_readmes_cpu_capacity_rows_are_the_capacity_sections_figures():
+    readme = (ROOT / "README.md").read_text()
+    capacity = section((ROOT / "docs" / "benchmarks.md").read_text(), "Capacity at a latency target")
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[3:6]] for line in readme.splitlines()
+            if line.startswith("| 2-core CPU")}
+    sled, base, ratio = rows["capacity at the target (1-32 devices tried)"]
+    assert f"| sled | {sled.split()[0]} |" in capacity and f"| server-only | {base.split()[0]} |" in capacity
+    assert f"serves {ratio} as many devices" in capacity
+    counts = re.search(r"at ([\d, ]+) devices", next(k for k in rows if k.startswith("system tok/s"))).group(1)
+    sled_rates, base_rates, ratios = rows[next(k for k in rows if k.startswith("system tok/s"))]
+    for n, s, b, r in zip(counts.split(", "), sled_rates.split(", "), base_rates.split(", "), ratios.split(", ")):
+        sled_row = re.search(rf"\| {n} \| sled \| ([\d.]+) \|.*\| {r} \|", capacity)
+        base_row = re.search(rf"\| {n} \| server-only \| ([\d.]+) \|", capacity)
+        assert sled_row and round(float(sled_row.group(1))) == int(s), (n, s, r)
+        assert base_row and round(float(base_row.group(1))) == int(b), (n, b)
