@@ -114,7 +114,9 @@ async def phases(address: str, args, tokenizer, rng: random.Random, log) -> dict
 
             async def one() -> None:
                 while not stop.is_set():
-                    got["heavy"].append(await client.first_verdict(prompt(args.prompt_tokens)))
+                    took = await client.first_verdict(prompt(args.prompt_tokens))
+                    if not stop.is_set():  # a prompt that ends after the phase is not counted in it
+                        got["heavy"].append(took)
 
             jobs = [asyncio.ensure_future(one()) for _ in range(args.heavy)]
             await asyncio.sleep(seconds)
