@@ -380,8 +380,10 @@ class Engine:
     # ---- one step ----
 
     def step(self) -> None:
-        chunk = self.scheduler.prefill_chunk(self._pending, list(self._sessions.values()), time.monotonic(), self.costs)
-        plan = self.scheduler.plan(self._pending, self._prefilling(), chunk)
+        prefilling = self._prefilling()
+        chunk = (self.scheduler.prefill_chunk(self._pending, list(self._sessions.values()), time.monotonic(),
+                                              self.costs) if prefilling else None)
+        plan = self.scheduler.plan(self._pending, prefilling, chunk)
         if not plan:
             return
         t0 = time.monotonic()
