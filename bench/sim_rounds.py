@@ -6,11 +6,11 @@ The server runs one step at a time: it starts when every device's draft is waiti
 `max_wait_ms`, verifies all that wait, and takes `fixed + per_token * tokens` (a launch-bound GPU: a large fixed
 part; a CPU: a large per-token part). Each device drafts at `draft_ms` per token, each drafted token right with
 probability `match` (independently, as the target's greedy text is fixed), drafts ahead while its draft is
-verified (finishing the token in progress when the verdict comes, as edge_client.generation does with a fixed K or
+verified (finishing the token in progress when the verdict comes, as a device does with a fixed K or
 `answer_at_once=False`; with `--at-once`, an adaptive device answers as a device does by default: a hit at once
 with the tokens drafted ahead, K at most, a miss with an empty draft, neither while the server queues its drafts),
-and chooses K
-with the real edge_client.adaptive controller, fed what a device measures and its verdicts report (the step's time,
+each decision taken by the device's own round rules (edge_client.round.RoundRules), and chooses K with the real
+edge_client.adaptive controller, fed what a device measures and its verdicts report (the step's time,
 sessions and token cost, and how long the draft waited through earlier steps). The figures are the model's, not a
 measurement: the point is the controller's choice against fixed K under the same model, fast and repeatable.
 
@@ -27,8 +27,9 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from edge_client.adaptive import AdaptiveDraftLength, RoundSample
-from edge_client.policy import EMPTY_AFTER_MISS
+from edge_client.adaptive import RoundSample
+from edge_client.policy import EMPTY_AFTER_MISS, DraftLength, DraftPolicy
+from edge_client.round import RoundRules
 
 from .cli import counts_arg, positive
 
@@ -59,8 +60,7 @@ class Regime:
 
 @dataclass
 class _Device:
-    k: int | None  # fixed K, or None for the controller
-    ctrl: AdaptiveDraftLength | None
+    rules: RoundRules  # the device's own round rules and draft-length controller (fixed K or adaptive)
     rng: random.Random
     carry: int = 0  # tokens drafted ahead that continue the committed context
     offset: float = 0.0  # tokens already drafted ahead past the draft out now when it went out (answered at once)
@@ -81,6 +81,10 @@ class _Device:
     upcoming: list[tuple[float, bool]] = field(default_factory=list)
     sure: tuple[float, ...] | None = None  # the confidence of each token in the draft out now
 
+    @property
+    def ctrl(self) -> DraftLength:
+        return self.rules.controller
+
 
 # The devices' first drafts go out within this share of a token's drafting time of one another, as in the system
 # benchmark, where every device opens its first request at once. Spread over a whole token (the earlier form), most
@@ -96,8 +100,8 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
              at_once: bool = False, empty_after_miss: float | None = EMPTY_AFTER_MISS) -> dict:
     """Committed tokens per second of `devices` devices over `seconds` after `warmup_s`, with fixed K = k or the
     adaptive controller (k=None; its confidence stop rule used where the regime has confidence, unless
-    confidence_stop is off). With at_once, an adaptive device answers a verdict as edge_client.generation does by
-    default: after a hit whose tokens drafted ahead reach past the bonus, those tokens (K at most) go out at once
+    confidence_stop is off). With at_once, an adaptive device answers a verdict as a device does by default
+    (RoundRules.answer): after a hit whose tokens drafted ahead reach past the bonus, those tokens (K at most) go out at once
     while the drafter finishes its token; after a miss that comes while it drafts ahead, an empty draft (the
     server's token alone) goes out at once where the controller's acceptance is at least `empty_after_miss` (None:
     never); otherwise it finishes that token and drafts the rest of K (a fixed K always does). Neither while the
@@ -108,8 +112,10 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
         raise ValueError("at_once is modelled for drafts without confidence only")
     r = regime
     rng = random.Random(seed)
-    devs = [_Device(k, None if k is not None else AdaptiveDraftLength.for_device(k_max, ahead, confidence_stop),
-                    random.Random(rng.random())) for _ in range(devices)]
+    policy = DraftPolicy(draft_tokens=k_max if k is None else k, adaptive=k is None, max_draft_tokens=k_max,
+                         draft_ahead=ahead, confidence_stop=confidence_stop, answer_at_once=at_once,
+                         empty_after_miss=empty_after_miss)
+    devs = [_Device(RoundRules(policy, policy.controller()), random.Random(rng.random())) for _ in range(devices)]
     events: list[tuple[float, int, str, int]] = []
     seq = 0
 
@@ -125,11 +131,11 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
 
     def begin_round(d: int, now: float, prompt: bool = False) -> None:
         dev = devs[d]
-        kk = dev.k if dev.k is not None else dev.ctrl.k
+        kk = dev.ctrl.k
         if r.confidence is None:
             fresh = max(0, kk - dev.carry)
         else:
-            rule = dev.ctrl.stop_rule() if dev.ctrl is not None else None
+            rule = dev.ctrl.stop_rule()
             fresh, taken = 0, 0
             for i in range(kk):
                 while len(dev.upcoming) <= i:
@@ -226,47 +232,32 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
                 return RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server, r.draft_s,
                                    dev.sessions, dev.sure, dev.step, dev.queue, dev.prompt)
 
-            observed = False
-            # As the device decides it (edge_client.generation): from the rounds before this verdict, whether the
-            # server queues this device's drafts, where it finishes its token and drafts K instead of answering at once.
-            once = at_once and dev.ctrl is not None and not dev.ctrl.server_queues()
+            # The device's own rules decide (edge_client.round.RoundRules): whether this verdict is answered at once,
+            # from the rounds before it; then, with this round learnt, how.
+            dev.rules.verdict_came()
             # Without confidence: whether the verdict's bonus token is the drafter's own next one (a hit).
             guessed = r.confidence is None and accepted == kk and dev.rng.random() < r.match
+            dev.ctrl.observe(sample())
             if ahead:
                 made = int(progress)
                 busy = made < k_max + 1  # the drafter is on a token drafted ahead when the verdict comes
                 if busy and progress > made:
                     made += 1
                     resume = max(resume, now + (made - progress) * r.draft_s)
-                if once and guessed and int(progress) > 1:
-                    # A hit answered at once: the tokens done past the bonus go out now, K at most; the rest, and
-                    # the token in progress, are where the drafting ahead of this new draft stands.
+                n = dev.rules.answer(dev.ctrl.k, hit=guessed, ahead=max(int(progress) - 1, 0), busy=busy)
+                if n is not None:
+                    # Answered at once. A hit: the tokens done past the bonus go out now, K at most; the rest, and the
+                    # token in progress, are where the drafting ahead of this new draft stands. A miss: an empty draft
+                    # (the server's token alone); the drafter finishes its token, drops what the verdict corrected,
+                    # and drafts ahead from the new context.
                     if warmup_s <= now:
                         dev.tokens += accepted + 1
-                    dev.ctrl.observe(sample())
-                    n = min(dev.ctrl.k, int(progress) - 1)
                     dev.round_start, dev.drafted = now, n
                     dev.ks.append(n)
                     dev.at_once += 1
                     dev.carry = 0
                     dev.prompt = True
-                    dev.offset = progress - 1 - n
-                    at(now, "send", d)
-                    continue
-                if once and busy and not guessed and empty_after_miss is not None:
-                    dev.ctrl.observe(sample())  # before the device chooses its answer, as it does
-                    observed = True
-                if observed and dev.ctrl.acceptance() >= empty_after_miss:
-                    # A miss answered at once: an empty draft (the server's token alone) goes out now; the drafter
-                    # finishes its token, drops what the verdict corrected, and drafts ahead from the new context.
-                    if warmup_s <= now:
-                        dev.tokens += accepted + 1
-                    dev.round_start, dev.drafted = now, 0
-                    dev.ks.append(0)
-                    dev.at_once += 1
-                    dev.carry = 0
-                    dev.prompt = True
-                    dev.offset = -(resume - now) / r.draft_s
+                    dev.offset = progress - 1 - n if n else -(resume - now) / r.draft_s
                     at(now, "send", d)
                     continue
             if r.confidence is None:
@@ -284,8 +275,6 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
                     dev.upcoming = []
             if warmup_s <= now:
                 dev.tokens += accepted + 1
-            if dev.ctrl is not None and not observed:
-                dev.ctrl.observe(sample())
             begin_round(d, resume, prompt=resume == now)  # at once where nothing is left to finish or draft
     total = sum(dv.tokens for dv in devs)
     ks = [x for dv in devs for x in dv.ks]

@@ -1,7 +1,7 @@
 """The device's round loop: draft, send, commit the verdict, roll the drafter back, repeat.
 
 What varies is held by objects, not flags: the draft length by the policy's controller (edge_client.policy),
-drafting while a draft is verified by DraftAhead (edge_client.draft_ahead), the server's absence by Outage
+each round's decisions and drafting ahead by Round (edge_client.round), the server's absence by Outage
 (edge_client.resilience). With nothing to draft (the `none` drafter, or draft_tokens 0) the server decodes every
 token itself (Open.server_decodes) and the device reads a Verdict a token, with no round trip between tokens.
 
@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from . import codec
-from .adaptive import AdaptiveDraftLength, RoundSample
-from .draft_ahead import DraftAhead
+from .adaptive import AdaptiveDraftLength
 from .drafters.base import Drafter, NoDrafter, Proposal
 from .policy import DraftLength, DraftPolicy
 from .resilience import Outage, Resilience
 from .result import GenerationResult
+from .round import Round, RoundHooks, RoundRules
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .transport import RemoteSession, VerifierClient, VerifyError
@@ -32,48 +32,35 @@ class _Generation:
 
     def __init__(self, client, drafter, tokenizer, prompt, max_tokens: int, sampling: SamplingParams,
                  policy: DraftPolicy, controller: DraftLength, resilience: Resilience, stop_ids: Sequence[int],
-                 on_text, on_status, should_stop, client_id: str):
+                 on_text, on_status, should_stop, client_id: str, hooks: RoundHooks | None = None):
         self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
         self.max_tokens, self.sampling, self.policy, self.controller = max_tokens, sampling, policy, controller
         self.resilience, self.on_text, self.should_stop, self.client_id = resilience, on_text, should_stop, client_id
         self.on_status = on_status
-        self.stop_ids = frozenset(stop_ids) | {tokenizer.eos_token_id}
         self.request_stops = list(stop_ids)
         self.result = GenerationResult(prompt_token_ids=list(prompt), drafter=getattr(drafter, "name", ""))
-        self.context = list(prompt)
+        self.round = Round(drafter, RoundRules(policy, controller), prompt, self.result, max_tokens=max_tokens,
+                           stop_ids=frozenset(stop_ids) | {tokenizer.eos_token_id}, hooks=hooks)
         self.decoder = tokenizer.stream_decoder()
         self.pieces: list[str] = []
         self.session: RemoteSession | None = None
         self.opens = 0
+        self.sent_at = 0.0  # when the last draft went out
         self.outage = Outage(resilience, getattr(client, "address", ""), on_status)
-        self.ahead = DraftAhead(self)
-        self.drafting = [0.0, 0]  # this round's drafter time and tokens, drafting ahead included
-        self.verdict_at = 0.0  # when this round's verdict came
         self.done = False
 
-    async def propose(self, context: list[int], k: int, stop=None) -> Proposal:
-        """The drafter's next k tokens, timed into this round's drafting."""
-        t0 = time.perf_counter()
-        proposal = await asyncio.to_thread(self.drafter.propose, context, k, stop)
-        self.drafting[0] += time.perf_counter() - t0
-        self.drafting[1] += len(proposal.token_ids)
-        return proposal
+    @property
+    def context(self) -> list[int]:
+        return self.round.context
 
-    def commit(self, tokens: list[int], verified: bool, ahead: Sequence[int] = ()) -> None:
-        self.context.extend(tokens)
-        if self.ahead.finishing is None:  # else the drafter is busy: DraftAhead.settle tells it once it is done
-            self.drafter.accept(self.context, ahead)
+    def commit(self, tokens: list[int], verified: bool) -> None:
+        self.round.commit(tokens)
         self.result.token_ids.extend(tokens)
         self.result.token_verified.extend([verified] * len(tokens))
         piece = self.decoder.feed(tokens)
         self.pieces.append(piece)
         if self.on_text is not None and piece:
             self.on_text(piece, verified)
-
-    def round_k(self) -> int:
-        """This round's draft length, never past the request's end: the verdict adds a token of its own, so a draft
-        past max_tokens - 1 more would be clipped by the server, its drafting wasted."""
-        return max(0, min(self.controller.k, self.max_tokens - len(self.result.token_ids) - 1))
 
     async def open(self) -> None:
         sampling = self.sampling
@@ -100,30 +87,13 @@ class _Generation:
         if self.session.opened.fly_window:  # FLy keeps a mismatch only before a draft's last W tokens
             self.controller.at_least(self.session.opened.fly_window + 1)
 
-    async def open_drafting(self) -> None:
-        """Open the session. On a generation's first open the device drafts its first round meanwhile, while the
-        server prefills the prompt: the draft waits as drafted ahead and the first round sends it at once. A failed
-        open drops it (the outage path may commit tokens of its own first)."""
-        k = self.round_k()
-        if self.opens or not k or self.ahead.carry is not None:
-            await self.open()
-            return
-        opening = asyncio.ensure_future(self.open())
-        try:
-            early = await self.propose(self.context, k, self.controller.stop_rule())
-        except BaseException:
-            opening.cancel()
-            raise
-        await opening  # a failed open raises here, and the draft is dropped
-        self.ahead.carry = early
-
     def local_round(self) -> str | None:
         """Continue with the drafter alone (the local fallback); returns a finish reason when the generation ends."""
         tokens, reason = list(self.drafter.propose(self.context, max(self.controller.k, 1)).token_ids), None
         if not tokens:
             return None
         for i, tok in enumerate(tokens):
-            if tok in self.stop_ids:
+            if tok in self.round.stop_ids:
                 tokens, reason = tokens[: i + 1], "stop"
                 break
         room = self.max_tokens - len(self.result.token_ids)
@@ -141,7 +111,7 @@ class _Generation:
             try:
                 await self._loop()
             finally:
-                await self.ahead.settle()  # a drafting thread still on its token: done before the drafter is reused
+                await self.round.settle()  # a drafting thread still on its token: done before the drafter is reused
             if self.session is not None:
                 await self.session.close()
         except BaseException:
@@ -168,7 +138,8 @@ class _Generation:
                 await self._round()
 
     async def _reach_server(self) -> None:
-        """Open a session, or wait (drafting alone under the local policy) until it is time to try again."""
+        """Open a session, or wait (drafting alone under the local policy) until it is time to try again. On a
+        generation's first open the device drafts its first round meanwhile, while the server prefills the prompt."""
         wait = self.outage.until_next_attempt()
         if wait > 0:
             if self.resilience.local:
@@ -182,78 +153,34 @@ class _Generation:
             return
         began = time.monotonic()
         try:
-            await self.open_drafting()
+            if self.opens:
+                await self.open()
+            else:
+                await self.round.draft_while_opening(self.open())
         except VerifyError as err:
             self.outage.failed(err, began)
 
-    async def _verify(self, round_: int, proposal: Proposal):
+    async def _verify(self, proposal: Proposal):
+        self.sent_at = time.monotonic()
         if self.session.opened.server_decodes:  # the server sends each token unasked
             asked = self.session.next_verdict()
         else:
-            asked = self.session.verify(round_, proposal)
-        verdict = await asyncio.wait_for(asked, self.resilience.round_timeout_s)
-        self.verdict_at = time.perf_counter()
-        return verdict
+            asked = self.session.verify(self.result.rounds, proposal)
+        return await asyncio.wait_for(asked, self.resilience.round_timeout_s)
 
     async def _round(self) -> None:
-        """One round: draft, send, draft ahead while it is verified, commit the verdict."""
-        r, ahead = self.result, self.ahead
-        t_round = time.perf_counter()
-        self.drafting = [0.0, 0]
-        proposal, spare = await ahead.draft(self.round_k())
-        prompt = ahead.prompt
-        t_sent, sent_at = time.perf_counter(), time.monotonic()
-        verify = asyncio.ensure_future(self._verify(r.rounds, proposal))
-        reply = ((float("nan"), float("nan")) if ahead.answering is None
-                 else ((t_sent - ahead.answering[0]) * 1000.0, ahead.answering[1]))
-        ahead.live = None
-        drafting = asyncio.ensure_future(ahead.draft_while(verify, proposal, spare))
+        """One round (Round.play), and its verdict committed; a failed one drops the session."""
         try:
-            await asyncio.wait([verify])
-            busy = not drafting.done()
-            ahead.at_once = self.policy.answer_at_once and not self.controller.server_queues()
-            drafted = ahead.answer_now(verify, proposal, drafting) if ahead.at_once else None
-            ahead.waited = busy and drafted is None
-            if drafted is None:
-                drafted = await drafting
-        except BaseException:
-            verify.cancel()
-            drafting.cancel()
-            raise
-        t_ahead = time.perf_counter() if busy and ahead.finishing is None else self.verdict_at
-        try:
-            verdict = await verify
+            verdict, committed = await self.round.play(self._verify)
         except (VerifyError, asyncio.TimeoutError) as err:
             if isinstance(err, asyncio.TimeoutError):
                 err = VerifyError("DEADLINE_EXCEEDED", f"no verdict within {self.resilience.round_timeout_s:g}s")
             self.session.cancel()
             self.session = None
-            ahead.reset()
-            self.outage.failed(err, sent_at)
+            self.outage.failed(err, self.sent_at)
             self.outage.next_attempt = time.monotonic()  # first try again at once: the server may be back already
             return
-        committed = proposal.token_ids[: verdict.n_accepted]
-        if verdict.next_token is not None:
-            committed = committed + [verdict.next_token]
-        spent, tokens = self.drafting
-        # The round trip ends when the verdict came, not when the token being drafted ahead was done.
-        self.controller.observe(RoundSample(
-            len(proposal.token_ids), verdict.n_accepted, t_sent - t_round, self.verdict_at - t_sent,
-            verdict.token_ms / 1000.0, spent / tokens if tokens else None, verdict.step_sessions,
-            None if proposal.confidence is None else tuple(proposal.confidence), verdict.step_ms / 1000.0,
-            verdict.queue_ms / 1000.0, prompt))
-        r.rounds += 1
-        r.draft_tokens += len(proposal.token_ids)
-        r.accepted_tokens += verdict.n_accepted
-        r.loosely_accepted_tokens += verdict.n_loose
-        r.round_times.append(time.perf_counter() - t_round)
-        r.round_tokens.append(len(committed))
-        r.round_steps.append((verdict.step_tokens, verdict.step_ms, verdict.step_sessions))
-        r.round_replies.append(reply)
-        r.round_queue_ms.append(verdict.queue_ms)
-        ahead.answering = (self.verdict_at, max(0.0, t_ahead - self.verdict_at) * 1000.0)
-        ahead.after_verdict(verdict, proposal, drafted)
-        self.commit(committed, verified=True, ahead=ahead.carry.token_ids if ahead.carry else [])
+        self.commit(committed, verified=True)
         if verdict.finished:
             self.finish(verdict.finish_reason)
 
@@ -274,6 +201,7 @@ async def generate(
     on_status: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     client_id: str = "",
+    hooks: RoundHooks | None = None,
 ) -> GenerationResult:
     """Generate up to max_tokens after the prompt. on_text(piece, verified) sees the text as it is committed;
     on_status(message) hears when the server is found unreachable and when it is back, and when it caps K;
@@ -290,5 +218,5 @@ async def generate(
         raise ValueError("FLy verification applies to greedy generation (temperature 0) only")
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, policy,
                       policy.controller(controller), resilience, stop_token_ids, on_text, on_status, should_stop,
-                      client_id)
+                      client_id, hooks)
     return await run.run()

@@ -148,31 +148,40 @@ def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_r
     assert fresh[:2] == [8, 8]
 
 
-def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_ahead_is_done(monkeypatch):
+def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_ahead_is_done():
     """Each token drafted ahead costs 200 ms on a clock the test moves, and a token in progress when its round's verdict
     comes ends only after the device has taken that verdict in. The round trip the controller learns is the server's
     (no time on that clock), not the server's plus the rest of the token in progress (200 ms). The device waits for
     that token before its next round (answer_at_once off), so no later round's flight holds it either."""
     import asyncio
     import threading
-    import time as clock
-    from types import SimpleNamespace
 
-    from edge_client import draft_ahead, generation
+    from edge_client import generation
+    from edge_client.round import RoundHooks
     from tests.edge_client.test_draft_ahead import (P_GREEDY, PROMPT, TOKENIZER, FakeClient, FakeSession,
                                                     TableDrafter, cycle)
 
     now, came, taken = [0.0], [0], [0]  # the clock; verdicts come, verdicts the device has timed
     moved = threading.Condition()
+    held = []  # per token drafted ahead before its verdict came: whether it was in progress when the device took it in
 
-    def perf_counter():  # the device's first reading after a verdict comes is its arrival time
-        with moved:
-            if came[0] > taken[0]:
-                taken[0] = came[0]
-                moved.notify_all()
-            return now[0]
+    class Hooks(RoundHooks):
+        began = 0  # verdicts the device had taken in when its drafting thread began drafting past a draft sent
 
-    monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=perf_counter, monotonic=clock.monotonic))
+        def clock(self):  # the device's first reading after a verdict comes is its arrival time
+            with moved:
+                if came[0] > taken[0] and threading.current_thread() is threading.main_thread():
+                    taken[0] = came[0]
+                    moved.notify_all()
+                return now[0]
+
+        def ahead_token(self, n, arrived):
+            with moved:
+                if n == 1:
+                    self.began = taken[0]
+                if taken[0] == self.began:  # its verdict not in yet: it ends after the device takes it in
+                    held.append(moved.wait_for(lambda: taken[0] > self.began, timeout=30))
+                now[0] += 0.2
 
     class Sent(FakeSession):
         async def verify(self, round_, proposal):
@@ -186,27 +195,6 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
             session.__class__ = Sent
             return session
 
-    held = []  # per token drafted ahead before its verdict came: whether it was in progress when the device took it in
-    thread = threading.local()  # the drafting thread's: verdicts taken in when it began drafting past a draft sent
-    step, draft_until = draft_ahead.step_ahead, draft_ahead.DraftAhead._draft_until
-
-    def drafting_ahead(self, *args):
-        thread.began = taken[0]
-        try:
-            return draft_until(self, *args)
-        finally:
-            thread.began = None
-
-    def slow_step(drafter, context, limit):
-        with moved:
-            began = getattr(thread, "began", None)
-            if began is not None and taken[0] == began:  # its verdict not in yet: it ends after the device takes it in
-                held.append(moved.wait_for(lambda: taken[0] > began, timeout=30))
-            now[0] += 0.2
-        return step(drafter, context, limit)
-
-    monkeypatch.setattr(draft_ahead.DraftAhead, "_draft_until", drafting_ahead)
-    monkeypatch.setattr(draft_ahead, "step_ahead", slow_step)
     seen: list[RoundSample] = []
 
     class Watching(AdaptiveDraftLength):
@@ -215,7 +203,7 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
             super().observe(sample)
 
     asyncio.run(generation.generate(Client(0, 0.05, max_tokens=8, target=P_GREEDY), TableDrafter(cycle(2, 3, 1, 0)),
-                                    TOKENIZER, PROMPT, max_tokens=8,
+                                    TOKENIZER, PROMPT, max_tokens=8, hooks=Hooks(),
                                     controller=Watching(k_max=2, k_initial=2, ahead=True),
                                     policy=DraftPolicy(draft_ahead=True, answer_at_once=False)))
     assert held and all(held)  # tokens were drafted ahead, each in progress when its verdict came

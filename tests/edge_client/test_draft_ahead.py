@@ -26,6 +26,7 @@ from edge_client.drafters.kv_drafter import KVDrafter
 from edge_client.drafters.stacked import GuessGate, StackedDrafter
 from edge_client.generation import generate
 from edge_client.policy import DraftPolicy
+from edge_client.round import RoundHooks
 from edge_client.sampling import SamplingParams
 from tests.edge_client.test_stacked import Guesser
 
@@ -472,7 +473,7 @@ def test_each_round_times_the_reply_to_the_verdict_before_it(mid_token):
     async def main(ahead):
         client, drafter = mid_token(Linked(0, 0.0, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY),
                                     held=lambda round_: 1)
-        return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=16,
+        return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=16, hooks=client.link,
                               policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=ahead))
 
     for ahead in (True, False):
@@ -514,7 +515,7 @@ def _slow_cycle_run(hold, queue_ms=0.0, **options):
         drafter = SlowTable(cycle(1, 2, 3, 1), 0.01)
         hold(client, drafter, held=lambda round_: 3)
         result = await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=40, controller=held_at_two(),
-                                policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, **options))
+                                hooks=client.link, policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, **options))
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -566,13 +567,13 @@ class LateQueues(FakeClient):
     """A server whose first `busy` drafts each waited 6 ms through an earlier step, and after them only the late drafts:
     those that did not go out at once when the verdict before them came (the device finished a token and drafted the
     rest of K first), which miss the batching window that verdict's step opened, as at an unloaded server. Whether a
-    draft went out at once is the device's own account (DraftAhead.prompt, read through `went_out_at_once`), not a
+    draft went out at once is the device's own account (RoundHooks.sending, read through `went_out_at_once`), not a
     clock: on a loaded host a draft sent at once can take a few ms to go out."""
 
     def __init__(self, *args, busy=5, **kwargs):
         super().__init__(*args, **kwargs)
         self.busy = busy
-        self.went_out_at_once = False  # of the draft being sent: set by the test's hook on DraftAhead.draft
+        self.went_out_at_once = False  # of the draft being sent: set by the round's hook
 
     async def open(self, msg, timeout=None, wait_for_ready=True):
         session = await super().open(msg, timeout, wait_for_ready)
@@ -587,28 +588,22 @@ class LateQueues(FakeClient):
         return session
 
 
-def test_a_device_answers_at_once_again_once_drafts_sent_at_once_stop_queueing(monkeypatch):
+def test_a_device_answers_at_once_again_once_drafts_sent_at_once_stop_queueing():
     """After a busy spell (the first 5 drafts queued) the device finishes its drafts (server_queues), and those,
     late, keep queueing at this server though drafts answering verdicts at once no longer would. Judged on every
     draft, that held the device at finishing first for the rest of the request (2 of 60 verdicts answered at once,
     in the busy spell; every draft queued); judged on the drafts that went out at once, which leave the recent rounds
     while it finishes first, it answers each hit at once again (a miss, every other round here, is drafted afresh
     with empty_after_miss=None, late, and queues) and those drafts do not queue."""
-    from edge_client import draft_ahead
-
     client = LateQueues(0, 0.025, max_tokens=120, target=cycle(1, 2, 3, 0))
-    draft = draft_ahead.DraftAhead.draft
 
-    async def drafting(self, k):
-        out = await draft(self, k)
-        client.went_out_at_once = self.prompt
-        return out
-
-    monkeypatch.setattr(draft_ahead.DraftAhead, "draft", drafting)
+    class Sending(RoundHooks):
+        def sending(self, at_once):
+            client.went_out_at_once = at_once
 
     async def main():
         return await generate(client, SlowTable(cycle(1, 2, 3, 1), 0.01), TOKENIZER, PROMPT, max_tokens=120,
-                              controller=held_at_two(),
+                              controller=held_at_two(), hooks=Sending(),
                               policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, empty_after_miss=None))
 
     result = asyncio.run(main())
@@ -649,7 +644,7 @@ def test_a_miss_is_answered_with_an_empty_draft_only_above_the_acceptance_thresh
         assert result.answered_at_once >= 3  # the hits still went out at once
 
 
-class MidToken:
+class MidToken(RoundHooks):
     """Holds each verdict of a session until its device's drafting thread is on a token drafted ahead, and that token
     until the verdict has gone out, so that every verdict the device drafts ahead for comes mid-token, whatever the
     host's load: on the first token drafted ahead in even rounds (nothing drafted ahead yet to answer with), on the
@@ -661,7 +656,17 @@ class MidToken:
         self.loop, self.changed = asyncio.get_running_loop(), asyncio.Event()
         self.cv = threading.Condition()
         self.out = 0  # verdicts sent
+        self.round = 0  # the round whose drafting ahead is under way
         self.ready = 0  # rounds whose drafting thread is on the token its verdict waits for, or that draft no more
+
+    def ahead_begins(self) -> None:
+        self.round = self.out  # its verdict is held until this round is ready, so this is its number
+
+    def ahead_token(self, n: int, arrived: threading.Event) -> None:
+        self.on_token(self.round, n, arrived)
+
+    def ahead_ends(self) -> None:
+        self._ready(self.round)  # it drafted nothing ahead, or its thread is done
 
     def _ready(self, round_: int) -> None:
         with self.cv:
@@ -701,43 +706,19 @@ class Linked(FakeClient):
 
 @pytest.fixture
 def mid_token(monkeypatch):
-    """Every FakeSession, and its device's drafting ahead (through `drafter.link`), held by a MidToken; it gives
-    `hold(client, drafter, held=...)`, which links a Linked client and its drafter to a new one."""
-    from edge_client import draft_ahead
-
-    thread = threading.local()
-    step, draft_until = draft_ahead.step_ahead, draft_ahead.DraftAhead._draft_until
-    draft_while, verify = draft_ahead.DraftAhead.draft_while, FakeSession.verify
-
-    async def drafting_while(self, *args):
-        link = self.gen.drafter.link
-        round_ = link.out  # its verdict is held until this round is ready, so this is its number
-        try:
-            return await draft_while(self, *args)
-        finally:
-            link._ready(round_)  # it drafted nothing ahead, or its thread is done
-
-    def drafting_until(self, base, limit, arrived, *args):
-        thread.link, thread.n, thread.arrived = self.gen.drafter.link, 0, arrived
-        thread.round = thread.link.out
-        return draft_until(self, base, limit, arrived, *args)
-
-    def stepping(drafter, context, limit):
-        thread.n += 1
-        thread.link.on_token(thread.round, thread.n, thread.arrived)
-        return step(drafter, context, limit)
+    """Every FakeSession held by its client's MidToken `link`; it gives `hold(client, drafter, held=...)`, which
+    links a Linked client to a new MidToken and returns it with the drafter, the MidToken being the round's hooks
+    (generate(..., hooks=client.link))."""
+    verify = FakeSession.verify
 
     async def held_verify(self, round_, proposal):
         return await self.link.verdict(lambda: verify(self, round_, proposal))
 
-    monkeypatch.setattr(draft_ahead.DraftAhead, "draft_while", drafting_while)
-    monkeypatch.setattr(draft_ahead.DraftAhead, "_draft_until", drafting_until)
-    monkeypatch.setattr(draft_ahead, "step_ahead", stepping)
     monkeypatch.setattr(FakeSession, "verify", held_verify)
 
     def hold(client, drafter, **held):
         """A Linked client and its drafter, held by one MidToken (made in the running loop: `held` as there)."""
-        client.link = drafter.link = MidToken(**held)
+        client.link = MidToken(**held)
         return client, drafter
 
     return hold
@@ -757,7 +738,7 @@ def test_drafts_answered_at_once_keep_the_target_distribution(seeded, mid_token)
             sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
             client, drafter = mid_token(Linked(20_000 + i, 0.0), SlowTable(Q, 0.0005))
             return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=N_TOKENS, sampling=sampling,
-                                  controller=held_at_two(),
+                                  controller=held_at_two(), hooks=client.link,
                                   policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
 
         results = []
