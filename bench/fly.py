@@ -117,9 +117,8 @@ def policy_for(mode: str, args):
 
     if mode == "target":
         return DraftPolicy(draft_tokens=0, adaptive=False)
-    return DraftPolicy(draft_tokens=args.draft_tokens, adaptive=False, verification=mode,
-                       fly_window=args.fly_window if mode == "fly" else 0,
-                       fly_entropy_threshold=args.fly_entropy_threshold if mode == "fly" else 0.0)
+    rule = f"fly:window={args.fly_window},entropy_threshold={args.fly_entropy_threshold:g}" if mode == "fly" else mode
+    return DraftPolicy(draft_tokens=args.draft_tokens, adaptive=False, verification=rule)
 
 
 async def complete(address, tokenizer, drafter, prompt_ids, max_tokens, policy):

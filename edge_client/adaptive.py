@@ -114,9 +114,10 @@ class AdaptiveDraftLength:
         return cls(k_max=k, k_initial=k, ahead=ahead, confidence_stop=confidence_stop)
 
     def configure(self, k_max: int, ahead: bool, k_min: int = 1) -> None:
-        """A new request's bounds and mode (a session's own floor, FLy's, is set again at its open: at_least); what
-        was learned stays, unless the device has been idle for longer than max_age_s: the server's load and round
-        trip may have changed since, so the samples are dropped (the last K stays as the first guess)."""
+        """A new request's bounds and mode (a session's own floor, its verification rule's, is set again at its
+        open: at_least); what was learned stays, unless the device has been idle for longer than max_age_s: the
+        server's load and round trip may have changed since, so the samples are dropped (the last K stays as the
+        first guess)."""
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
         self.k_max, self.k_min, self.ahead = k_max, k_min, ahead

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -11,7 +10,7 @@ from typing import Callable
 from .config import EdgeConfig
 from .drafters import create_drafter
 from .generation import generate
-from .policy import DraftLength, DraftPolicy
+from .policy import DraftLength
 from .result import GenerationResult
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -123,7 +122,7 @@ class Agent:
             self.active += 1
             try:
                 result = await generate(self.client, drafter, self.tokenizer, prompt_ids, max_tokens=max_tokens,
-                                        sampling=sampling, policy=self.policy_for(sampling), resilience=self.resilience,
+                                        sampling=sampling, policy=self.policy, resilience=self.resilience,
                                         controller=controller, on_text=piece, on_status=log.warning,
                                         should_stop=lambda: stop.hit or (gone is not None and gone()),
                                         client_id=f"sled-agent/{self.config.drafter}")
@@ -137,12 +136,6 @@ class Agent:
         if tail and on_text is not None:
             on_text(tail, True)
         return Completion(result, stop.text, "stop" if stop.hit else (result.finish_reason or "stop"))
-
-    def policy_for(self, sampling: SamplingParams) -> DraftPolicy:
-        """The device's policy for one request: FLy, where the device asks for it, for greedy requests only."""
-        if self.policy.verification == "fly" and not sampling.greedy:
-            return dataclasses.replace(self.policy, verification="exact")
-        return self.policy
 
     def _check_device_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.config.context_size:

@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from sled.verification import rules_help
+
 from .drafters import check_drafter_name
 
 # gRPC's own INFO lines (one per failed TLS handshake, each retry) would interleave with the text; the reason of a
@@ -73,13 +75,9 @@ def _drafter(name: str) -> str:
 
 
 def _add_verification(p) -> None:
-    p.add_argument("--verification", choices=["exact", "fly"],
-                   help="how the server verifies greedy drafts: exact (lossless) or fly (FLy: a mismatch is accepted "
-                        "where the target is unsure and agrees around it; the text is then no longer exactly the "
-                        "target's). Default: the server's, which is exact unless its operator chose otherwise")
-    p.add_argument("--fly-window", type=int, metavar="W", help="FLy's deferred window (default: the server's, 6)")
-    p.add_argument("--fly-entropy-threshold", type=float, metavar="NATS",
-                   help="FLy's entropy gate over the target's top-3 (default: the server's, 0.3)")
+    p.add_argument("--verification", metavar="RULE[:KEY=VALUE,...]",
+                   help="how the server verifies the drafts; parameters left out take the server's. Default: the "
+                        f"server's, which is exact unless its operator chose otherwise. Rules: {rules_help()}")
 
 
 def _add_drafting(p) -> None:
@@ -278,8 +276,7 @@ async def _generate(args) -> dict:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     config = edge_config(args)
     policy = config.draft_policy()
-    if policy.verification == "fly" and not sampling.greedy:
-        raise ValueError("--verification fly applies to greedy generation (--temperature 0) only")
+    policy.check(sampling)  # before anything loads
     tls = config.channel_tls()
     tokenizer = Tokenizer(config.tokenizer or config.draft_model)
     drafter = create_drafter(config.drafter, config.drafter_options())
@@ -334,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         f"[{stats['drafter']}] {len(stats['token_ids'])} tokens in {stats['elapsed_s']:.2f}s "
         f"({stats['tokens_per_second']:.1f} tok/s), {stats['rounds']} rounds, acceptance "
         f"{stats['acceptance_rate']:.2f}, mean acceptance length {stats['mean_acceptance_length']:.2f}, "
-        + (f"{stats['loosely_accepted_tokens']} accepted loosely (FLy), " if stats["loosely_accepted_tokens"] else "")
+        + (f"{stats['loosely_accepted_tokens']} accepted by a loose rule, " if stats["loosely_accepted_tokens"] else "")
         + f"finish {stats['finish_reason']}"
         + (f", {stats['reconnects']} reconnects" if stats["reconnects"] else "")
         + (f", {stats['unverified_tokens']} UNVERIFIED tokens (made locally)" if stats["unverified_tokens"] else ""),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sled.v1 import verify_pb2 as pb
+from sled.verification import Verification
 
 from .drafters.base import Proposal
 from .sampling import SamplingParams
@@ -22,7 +23,7 @@ class Opened:
     context_limit: int
     target_name: str
     server_decodes: bool = False  # the server decodes this session itself, a Verdict per token (Open.server_decodes)
-    fly_window: int = 0  # FLy's window where the server verifies this session loosely; 0: exact
+    min_draft_tokens: int = 0  # the shortest draft this session's verification rule makes use of (0: any)
 
 
 @dataclass(frozen=True)
@@ -37,24 +38,21 @@ class Verdict:
     step_sessions: int = 0
     token_ms: float = 0.0  # the server's marginal cost of one more token
     queue_ms: float = 0.0  # how long the draft waited at the server through earlier steps
-    n_loose: int = 0  # of n_accepted, accepted loosely (FLy)
-
-
-VERIFICATION = {None: pb.VERIFICATION_UNSPECIFIED, "exact": pb.VERIFICATION_EXACT, "fly": pb.VERIFICATION_FLY}
+    n_loose: int = 0  # of n_accepted, accepted by a loose rule
 
 
 def open_message(context: list[int], sampling: SamplingParams, max_tokens: int, fingerprint: str,
                  stop_token_ids: list[int] = (), client_id: str = "", auth_token: str = "",
-                 server_decodes: bool = False, verification: str | None = None, fly_window: int = 0,
-                 fly_entropy_threshold: float = 0.0) -> pb.ClientMessage:
+                 server_decodes: bool = False, verification: Verification | None = None) -> pb.ClientMessage:
+    """An Open; `verification`: the rule asked for, None for the server's default."""
     sp = pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if sampling.seed is not None:
         sp.seed = sampling.seed
     return pb.ClientMessage(open=pb.Open(
         tokenizer_fingerprint=fingerprint, context_token_ids=context, sampling=sp, max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids), client_id=client_id, auth_token=auth_token or "",
-        server_decodes=server_decodes, verification=VERIFICATION[verification], fly_window=fly_window,
-        fly_entropy_threshold=fly_entropy_threshold))
+        server_decodes=server_decodes, verification=verification.wire if verification else pb.VERIFICATION_UNSPECIFIED,
+        verification_params=dict(verification.params) if verification else {}))
 
 
 def draft_message(session_id: str, round_: int, proposal: Proposal) -> pb.ClientMessage:
@@ -76,7 +74,7 @@ def opened_from(msg: pb.ServerMessage) -> Opened:
         raise ValueError(f"expected Opened from the server, got {msg.WhichOneof('kind')}")
     o = msg.opened
     return Opened(o.session_id, o.max_draft_tokens, o.vocab_size, o.context_limit, o.target_name, o.server_decodes,
-                  o.fly_window if o.verification == pb.VERIFICATION_FLY else 0)
+                  o.min_draft_tokens)
 
 
 def verdict_from(msg: pb.ServerMessage) -> Verdict:

@@ -33,11 +33,8 @@ class EdgeConfig:
     max_draft_tokens: int = DraftPolicy.max_draft_tokens
     draft_ahead: bool = DraftPolicy.draft_ahead
     confidence_stop: bool = DraftPolicy.confidence_stop
-    # How the server verifies greedy requests: exact (lossless) or fly (FLy, loosely: the text is then no longer
-    # exactly the target's); None: the server's default. Sampled requests are always verified exactly.
-    verification: str | None = None
-    fly_window: int = 0  # FLy's deferred window W; 0: the server's
-    fly_entropy_threshold: float = 0.0  # FLy's entropy gate (nats); 0: the server's
+    # How the server verifies: a rule of sled/verification.py as NAME[:KEY=VALUE,...]; None: the server's default.
+    verification: str | None = DraftPolicy.verification
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
     gpu_layers: int = DrafterOptions.gpu_layers  # llama.cpp layers offloaded to the GPU (Jetson)
     # llama.cpp flash attention, on as in llama.cpp itself (llama-cpp-python turns it off unless asked): faster
@@ -117,8 +114,7 @@ class EdgeConfig:
     def draft_policy(self) -> DraftPolicy:
         return DraftPolicy(draft_tokens=self.draft_tokens, adaptive=self.adaptive_draft,
                            max_draft_tokens=self.max_draft_tokens, draft_ahead=self.draft_ahead,
-                           confidence_stop=self.confidence_stop, verification=self.verification,
-                           fly_window=self.fly_window, fly_entropy_threshold=self.fly_entropy_threshold)
+                           confidence_stop=self.confidence_stop, verification=self.verification)
 
     def resilience(self) -> Resilience:
         return Resilience(fallback=self.fallback, wait_deadline_s=self.wait_deadline_s,

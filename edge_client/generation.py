@@ -71,8 +71,7 @@ class _Generation:
         p = self.policy
         msg = codec.open_message(self.context, sampling, self.max_tokens - len(self.result.token_ids),
                                  self.tokenizer.fingerprint, self.request_stops, self.client_id,
-                                 self.client.auth_token or "", not p.drafts, p.verification, p.fly_window,
-                                 p.fly_entropy_threshold)
+                                 self.client.auth_token or "", not p.drafts, p.rule)
         self.session = await self.client.open(msg, timeout=self.outage.open_timeout(),
                                               wait_for_ready=self.outage.waits_for_ready)
         if self.opens:
@@ -84,8 +83,8 @@ class _Generation:
         if self.controller.cap(server_max) and self.on_status:
             self.on_status(f"the server takes drafts of at most {server_max} tokens: drafting up to {server_max} a "
                            f"round, not {asked}")
-        if self.session.opened.fly_window:  # FLy keeps a mismatch only before a draft's last W tokens
-            self.controller.at_least(self.session.opened.fly_window + 1)
+        if self.session.opened.min_draft_tokens:  # a loose rule that judges a token by the ones after it
+            self.controller.at_least(self.session.opened.min_draft_tokens)
 
     def local_round(self) -> str | None:
         """Continue with the drafter alone (the local fallback); returns a finish reason when the generation ends."""
@@ -214,8 +213,7 @@ async def generate(
         raise ValueError("max_tokens must be at least 1")
     if getattr(drafter, "name", "") == NoDrafter.name:
         policy = DraftPolicy(draft_tokens=0, adaptive=False)
-    if policy.verification == "fly" and not sampling.greedy:
-        raise ValueError("FLy verification applies to greedy generation (temperature 0) only")
+    policy.check(sampling)
     run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, policy,
                       policy.controller(controller), resilience, stop_token_ids, on_text, on_status, should_stop,
                       client_id, hooks)

@@ -48,7 +48,7 @@ def describe_info(info) -> str:
     if st.draft_tokens:
         lines.append(f"drafts: {st.drafts} with tokens, {st.draft_tokens} tokens drafted, {st.accepted_tokens} "
                      f"accepted (acceptance {st.accepted_tokens / st.draft_tokens:.2f})"
-                     + (f", {st.loosely_accepted_tokens} of them loosely (FLy)" if st.loosely_accepted_tokens else ""))
+                     + (f", {st.loosely_accepted_tokens} of them by a loose rule" if st.loosely_accepted_tokens else ""))
     if st.prefill_tokens or st.prefix_cache_hit_tokens:
         lines.append(f"prefill: {st.prefill_tokens} prompt tokens computed, {st.prefix_cache_hit_tokens} copied from "
                      "the prefix cache")

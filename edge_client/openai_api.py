@@ -175,6 +175,10 @@ class OpenAIServer:
         busy = self.agent.busy()
         if busy:  # before a stream's headers: a 503, not an error inside a 200 stream; complete() checks it again
             return _busy(busy)
+        try:  # a verification rule the request cannot take (a greedy-only rule, sampled): a 400 before the headers
+            self.agent.policy.check(sampling)
+        except ValueError as err:
+            return _error(400, str(err), param="temperature")
         try:  # likewise a prompt too long for the device's or the server's context: a 400 before the headers
             await self.agent.check_fits(len(prompt_ids), max_tokens)
         except ValueError as err:

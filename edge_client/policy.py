@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from sled.verification import Verification
+
 from .adaptive import AdaptiveDraftLength, DraftStop, RoundSample
+from .sampling import SamplingParams
 
 # The acceptance from which a miss answered at once gets an empty draft (docs/device.md, "Drafting ahead").
 EMPTY_AFTER_MISS = 0.8
@@ -25,7 +28,7 @@ class DraftLength(Protocol):
         (a device tells its user once, not at each reconnect or request)."""
 
     def at_least(self, k: int) -> None:
-        """No draft shorter than k where that is possible (FLy keeps a mismatch only before a draft's last W tokens)."""
+        """No draft shorter than k where that is possible (a loose rule may judge a token by the ones after it)."""
 
     def observe(self, sample: RoundSample) -> None:
         """A round's verdict, what was drafted and how long it all took."""
@@ -81,11 +84,9 @@ class DraftPolicy:
     confidence_stop: bool = False  # the adaptive K ends a draft at a token the drafter is too unsure of
     answer_at_once: bool = True  # answer a verdict without waiting for the token being drafted ahead
     empty_after_miss: float | None = EMPTY_AFTER_MISS  # None: a miss always gets K drafted afresh
-    # How the server verifies: exact (lossless), fly (loosely, greedy only; the text is then not exactly the
-    # target's), or None for the server's default; FLy's window and entropy threshold, 0 for the server's.
+    # How the server verifies: a rule of sled/verification.py as NAME[:KEY=VALUE,...] (parameters left out take the
+    # server's), or None for the server's default.
     verification: str | None = None
-    fly_window: int = 0
-    fly_entropy_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.draft_tokens < 0:
@@ -94,10 +95,17 @@ class DraftPolicy:
             raise ValueError(f"max_draft_tokens must be at least 1, got {self.max_draft_tokens}")
         if self.empty_after_miss is not None and not 0 <= self.empty_after_miss <= 1:
             raise ValueError(f"empty_after_miss must be in [0, 1], got {self.empty_after_miss}")
-        if self.verification not in (None, "exact", "fly"):
-            raise ValueError(f"verification must be exact or fly, got {self.verification!r}")
-        if self.fly_window < 0 or not 0 <= self.fly_entropy_threshold < 10:
-            raise ValueError("fly_window must be >= 0 and fly_entropy_threshold in [0, 10) (0: the server's)")
+        self.rule  # parses it: ValueError naming what is wrong
+
+    @property
+    def rule(self) -> Verification | None:
+        """The verification rule asked for, None for the server's default."""
+        return None if self.verification is None else Verification.parse(self.verification)
+
+    def check(self, sampling: SamplingParams) -> None:
+        """This policy's preconditions for a request: ValueError where its verification rule cannot apply."""
+        if self.rule is not None:
+            self.rule.check(sampling.greedy)
 
     @property
     def drafts(self) -> bool:

@@ -14,7 +14,7 @@ class GenerationResult:
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    loosely_accepted_tokens: int = 0  # of accepted_tokens, accepted by FLy's loose rule (not the target's own)
+    loosely_accepted_tokens: int = 0  # of accepted_tokens, accepted by a loose verification rule (not the target's own)
     reconnects: int = 0
     round_times: list[float] = field(default_factory=list)  # seconds per round (draft + verify)
     round_tokens: list[int] = field(default_factory=list)  # tokens committed per round

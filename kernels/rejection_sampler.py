@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,6 +27,16 @@ class NonFiniteLogitsError(ValueError):
         super().__init__(f"non-finite target logits for requests {request_indices}")
 
 
+class ExactOnly:
+    """Every request verified exactly: nothing accepted beyond the exact rule (a LooseRules)."""
+
+    def loose(self, drafts: DraftRows, exact: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(exact)
+
+
+EXACT = ExactOnly()
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     temperature: torch.Tensor  # [batch] float32, 0 means greedy
@@ -33,10 +44,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # [batch] float32, 1 means no cut
     generators: tuple[torch.Generator | None, ...]  # one per request; None draws from `default`
     default: torch.Generator | None = None
-    # Loose verification (FLy) for greedy requests: the deferred window W, 0 for exact verification, and the
-    # entropy threshold; None: every request exact.
-    fly_window: torch.Tensor | None = None  # [batch] int64
-    fly_entropy: torch.Tensor | None = None  # [batch] float32
+    rules: LooseRules = EXACT  # the requests' verification rules: what they accept beyond the exact rule
 
     @property
     def batch_size(self) -> int:
@@ -47,37 +55,28 @@ class SamplingBatch:
 class Verification:
     num_accepted: torch.Tensor  # [batch] int64
     next_token: torch.Tensor  # [batch] int64, correction after a rejection or bonus after a full accept
-    num_loose: torch.Tensor | None = None  # [batch] int64, of num_accepted those accepted loosely (FLy)
+    num_loose: torch.Tensor  # [batch] int64, of num_accepted those accepted by a loose rule
 
 
-def top3_entropy(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
-    """-sum p log p over the target's three most likely tokens, p from its full softmax (FLy's reference code, not
-    renormalized over the three): high where the target hesitates between a few continuations."""
-    top = torch.log_softmax(logits.float(), dim=-1).topk(3, dim=-1).values
-    return -(top.exp() * top).sum(-1)
+@dataclass(frozen=True)
+class DraftRows:
+    """A step's draft tokens as a verification rule judges them: each token, the target's row that judges it, and
+    its request and position there."""
+
+    logits: torch.Tensor  # [num_rows, vocab] the target's
+    token_ids: torch.Tensor  # [num_draft_tokens] int64
+    rows: torch.Tensor  # [num_draft_tokens] int64, the row of logits that judges each
+    request: torch.Tensor  # [num_draft_tokens] int64
+    position: torch.Tensor  # [num_draft_tokens] int64, in its request's draft
+    num_draft: torch.Tensor  # [batch] int64
+    greedy: torch.Tensor  # [batch] bool
 
 
-def loose_accept(
-    match: torch.Tensor,  # [batch, max_k] bool, draft token == the target's argmax; False past a draft's end
-    num_draft: torch.Tensor,  # [batch] int64
-    entropy: torch.Tensor,  # [batch, max_k] float32, top3_entropy of the row judging each draft token
-    possible: torch.Tensor,  # [batch, max_k] bool, the draft token's target probability is above zero
-    window: torch.Tensor,  # [batch] int64, FLy's W; 0: exact
-    threshold: torch.Tensor,  # [batch] float32
-) -> torch.Tensor:  # [batch, max_k] bool, accepted loosely
-    """FLy (Li et al., arXiv 2511.22972): a mismatch is accepted where the target is unsure there (entropy at least
-    the threshold), the draft token is possible for it, and the target agrees with the draft on each of the next
-    W - 1 positions, a variant the target corrects around. A mismatch in a draft's last W positions stays a
-    rejection, as in the paper's code."""
-    max_k = match.shape[1]
-    pos = torch.arange(max_k, device=match.device)
-    ahead = (window - 1).clamp_min(0)[:, None]  # [batch, 1] positions the window must see matched
-    csum = torch.nn.functional.pad(match.long().cumsum(-1), (1, 0))  # [batch, max_k + 1], csum[:, i] = matches before i
-    last = (pos[None, :] + ahead).clamp_max(max_k - 1)
-    agreed = csum.gather(1, last + 1) - csum[:, 1:]  # matches at positions pos + 1 .. pos + W - 1
-    before_last_w = pos[None, :] + window[:, None] < num_draft[:, None]
-    return ((window[:, None] > 0) & ~match & possible & (entropy >= threshold[:, None]) & before_last_w
-            & (agreed == ahead))
+class LooseRules(Protocol):
+    """The rules of a step's requests, as the sampler asks them (verify_server.verification.RuleBatch)."""
+
+    def loose(self, drafts: DraftRows, exact: torch.Tensor) -> torch.Tensor:
+        """[batch, max_k] bool: the draft tokens accepted beyond `exact` ([batch, max_k] bool, the exact rule's)."""
 
 
 def target_probs(
@@ -192,13 +191,12 @@ def rejection_sample(
     max_k = int(num_draft.max()) if batch else 0
     accepted = torch.zeros(batch, max_k, dtype=torch.long, device=device)
     accepted[draft_req, pos_in_req] = accept.long()
-    num_loose = None
-    if sampling.fly_window is not None and max_k and bool((sampling.fly_window > 0).any()):
-        loose = _fly(target_logits, x, draft_rows, draft_req, pos_in_req, accepted.bool(), num_draft, greedy,
-                     sampling)
-        accepted = accepted | loose.long()
-        prefix = accepted.cumprod(dim=-1)
-        num_loose = (prefix * loose.long()).sum(dim=-1)
+    num_loose = torch.zeros(batch, dtype=torch.long, device=device)
+    if max_k:
+        drafts = DraftRows(target_logits, x, draft_rows, draft_req, pos_in_req, num_draft, greedy)
+        loose = sampling.rules.loose(drafts, accepted.bool()).long()
+        accepted = accepted | loose
+        num_loose = (accepted.cumprod(dim=-1) * loose).sum(dim=-1)
     num_accepted = accepted.cumprod(dim=-1).sum(dim=-1) if max_k else torch.zeros(batch, dtype=torch.long, device=device)
 
     # The row right after the accepted prefix judges the first rejection, or is the bonus row.
@@ -218,20 +216,3 @@ def rejection_sample(
         sampled = (dist / _exponential(sampling, vocab, device)).argmax(dim=-1)
         next_token = torch.where(greedy, next_token, sampled)
     return Verification(num_accepted=num_accepted, next_token=next_token, num_loose=num_loose)
-
-
-def _fly(logits, x, draft_rows, draft_req, pos_in_req, match, num_draft, greedy,
-         sampling: SamplingBatch) -> torch.Tensor:  # [batch, max_k] bool
-    """loose_accept over the batch's greedy requests that asked for FLy, from the target's logits at their rows."""
-    device = logits.device
-    window = torch.where(greedy, sampling.fly_window.to(device), torch.zeros_like(num_draft))
-    on = window[draft_req] > 0  # the draft tokens whose request asked for it
-    rows = draft_rows[on]
-    entropy = torch.zeros(match.shape, device=device)
-    possible = torch.zeros(match.shape, dtype=torch.bool, device=device)
-    if rows.numel():
-        judged = logits[rows].float()
-        entropy[draft_req[on], pos_in_req[on]] = top3_entropy(judged)
-        log_p = torch.log_softmax(judged, dim=-1).gather(-1, x[on].unsqueeze(-1)).squeeze(-1)
-        possible[draft_req[on], pos_in_req[on]] = log_p.exp() > 0  # float32's zero, as the target's softmax has it
-    return loose_accept(match, num_draft, entropy, possible, window, sampling.fly_entropy.to(device))

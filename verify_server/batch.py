@@ -14,6 +14,7 @@ from kernels.rejection_sampler import SamplingBatch
 from .model_runner import ModelInput
 from .scheduler import Plan, VerifyWork
 from .sessions import Session
+from .verification import rule_batch
 
 
 @dataclass(frozen=True)
@@ -117,15 +118,11 @@ def draft_tensors(works: list[VerifyWork], drafts: list[list[int]]):
 
 def sampling_batch(works: list[VerifyWork], default_gen: torch.Generator | None) -> SamplingBatch:
     sp = [w.session.sampling for w in works]
-    fly = [w.session.fly for w in works]
-    loose = any(f is not None for f in fly)
     return SamplingBatch(
         temperature=torch.tensor([p.temperature for p in sp], dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in sp], dtype=torch.long),
         top_p=torch.tensor([p.top_p if 0 < p.top_p <= 1 else 1.0 for p in sp], dtype=torch.float32),
         generators=tuple(w.session.generator for w in works),
         default=default_gen,
-        fly_window=torch.tensor([f.window if f else 0 for f in fly], dtype=torch.long) if loose else None,
-        fly_entropy=torch.tensor([f.entropy_threshold if f else 0.0 for f in fly], dtype=torch.float32) if loose
-        else None,
+        rules=rule_batch([w.session.rule for w in works]),
     )

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import sys
 
+from sled.verification import rules_help
+
 from .config import ServerConfig, load_config
 
 
@@ -61,14 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-device credentials, one line NAME:SHA256HEX per device (the hex SHA-256 of its token): "
                         "devices are named in logs and metrics, and one left out of the file is refused at its next "
                         "Open once the server gets SIGHUP (default: none)")
-    p.add_argument("--verification", choices=["exact", "fly"],
-                   help="how drafts are verified where a session does not say: exact (lossless) or fly (FLy, greedy "
-                        f"sessions only; the text is then no longer exactly the target's) (default {d.verification})")
-    p.add_argument("--allow-fly", action=argparse.BooleanOptionalAction, default=None,
-                   help="take sessions that ask for FLy (default on; --no-allow-fly refuses them)")
-    p.add_argument("--fly-window", type=int, metavar="W", help=f"FLy's deferred window (default {d.fly_window})")
-    p.add_argument("--fly-entropy-threshold", type=float, metavar="NATS",
-                   help=f"FLy's entropy gate over the target's top-3 (default {d.fly_entropy_threshold:g})")
+    p.add_argument("--verification", metavar="RULE[:KEY=VALUE,...]",
+                   help="how drafts are verified where a session does not say (a greedy-only rule applies to greedy "
+                        f"sessions, the others are verified exactly; default {d.verification}). Rules: {rules_help()}")
+    p.add_argument("--verification-params", action="append", metavar="RULE:KEY=VALUE,...",
+                   help="a rule's parameters for the sessions that ask for it without giving them (repeatable)")
+    p.add_argument("--refuse-verification", action="append", metavar="RULE",
+                   help="refuse sessions that ask for this rule (repeatable; default: none refused)")
     p.add_argument("--max-sessions-per-device", type=int, metavar="N",
                    help="sessions one device may hold at once; past it an Open is refused (default 0: no limit)")
     p.add_argument("--tls-cert", metavar="FILE",

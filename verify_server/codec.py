@@ -9,10 +9,12 @@ import numpy as np
 
 from sled.v1 import verify_pb2 as pb
 from sled.v1.limits import MAX_STOP_TOKENS, greedy_temperature
+from sled.verification import RULES
 
 from .auth import Identity
 from .errors import SledError, invalid
-from .sessions import LENGTH, STOP, DraftRequest, Fly, OpenRequest, SamplingParams, Session, SparseQ, Verdict
+from .sessions import LENGTH, STOP, DraftRequest, OpenRequest, SamplingParams, Session, SparseQ, Verdict
+from .verification import rule_for
 
 PROB_SUM_TOLERANCE = 1e-3
 
@@ -33,32 +35,8 @@ def _check_ids(ids, vocab_size: int, what: str) -> None:
         raise invalid(f"{what} id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
 
 
-def fly_from_pb(msg: pb.Open, sampling: SamplingParams, config) -> Fly | None:
-    """The session's loose verification, or None for exact: what the Open asks, else the server's default."""
-    mode = msg.verification
-    if mode == pb.VERIFICATION_UNSPECIFIED:  # a server's FLy default applies to greedy sessions only
-        mode = pb.VERIFICATION_FLY if config.verification == "fly" and sampling.greedy else pb.VERIFICATION_EXACT
-    if mode == pb.VERIFICATION_EXACT:
-        return None
-    if mode != pb.VERIFICATION_FLY:
-        raise invalid(f"verification {mode} is not one this server knows (exact 1, fly 2)")
-    if not config.allow_fly:
-        raise SledError("FAILED_PRECONDITION", "this server does not allow FLy verification (allow_fly: false); "
-                                               "open with exact verification")
-    if not sampling.greedy:
-        raise invalid("FLy verification applies to greedy sessions (temperature 0) only: sampling is verified "
-                      "exactly")
-    window = msg.fly_window or config.fly_window
-    threshold = msg.fly_entropy_threshold or config.fly_entropy_threshold
-    if not 1 <= window < config.max_draft_tokens:  # a mismatch needs more than W draft tokens to be kept
-        raise invalid(f"fly_window must be in 1..{config.max_draft_tokens - 1} (below max_draft_tokens), got {window}")
-    if not 0 <= threshold < 10:
-        raise invalid(f"fly_entropy_threshold must be in [0, 10), got {threshold}")
-    return Fly(window, threshold)
-
-
 def open_from_pb(msg: pb.Open, vocab_size: int, config, device: Identity = Identity("", False)) -> OpenRequest:
-    """An Open, checked against the server's settings (`config`: its context limit, its verification defaults)."""
+    """An Open, checked against the server's settings (`config`: its context limit, its verification rules)."""
     max_seq_len = config.max_seq_len
     ids = tuple(msg.context_token_ids)
     if not ids:
@@ -73,9 +51,9 @@ def open_from_pb(msg: pb.Open, vocab_size: int, config, device: Identity = Ident
     if msg.max_tokens <= 0:
         raise invalid("max_tokens must be at least 1")
     sampling = sampling_from_pb(msg.sampling)
-    fly = fly_from_pb(msg, sampling, config)
+    rule = rule_for(msg.verification, msg.verification_params, sampling.greedy, config)
     return OpenRequest(context_token_ids=ids, sampling=sampling, max_tokens=msg.max_tokens, stop_token_ids=stops,
-                       client_id=msg.client_id[:128], server_decodes=msg.server_decodes, device=device, fly=fly)
+                       client_id=msg.client_id[:128], server_decodes=msg.server_decodes, device=device, rule=rule)
 
 
 def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top_k: int) -> DraftRequest:
@@ -112,12 +90,12 @@ def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top
 
 def opened_to_pb(session: Session, max_draft_tokens: int, vocab_size: int, context_limit: int,
                  target_name: str, server_decodes: bool = False) -> pb.ServerMessage:
-    fly = session.fly
+    rule = session.rule
+    spec = RULES[rule.name]
     return pb.ServerMessage(opened=pb.Opened(
         session_id=session.id, max_draft_tokens=max_draft_tokens, vocab_size=vocab_size,
         context_limit=context_limit, target_name=target_name, server_decodes=server_decodes,
-        verification=pb.VERIFICATION_FLY if fly else pb.VERIFICATION_EXACT, fly_window=fly.window if fly else 0,
-        fly_entropy_threshold=fly.entropy_threshold if fly else 0.0))
+        verification=spec.wire, verification_params=rule.params, min_draft_tokens=spec.min_draft_tokens(rule.params)))
 
 
 _REASONS = {STOP: pb.FINISH_REASON_STOP, LENGTH: pb.FINISH_REASON_LENGTH, None: pb.FINISH_REASON_UNSPECIFIED}

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sled.settings import check_token, load_settings, read_token_file
+from sled.verification import RULES, Verification
 
 from .auth import Authenticator
 
@@ -46,12 +47,13 @@ class ServerConfig:
     prefix_cache_tokens: int = 1024
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
     drain_s: float = 5.0  # on SIGTERM: NOT_SERVING at once, sessions under way get this long, then the process ends
-    # How drafts are verified where an Open does not say: exact (lossless) or fly (loosely, greedy sessions only: the
-    # text is then no longer exactly the target's); allow_fly false refuses sessions that ask for FLy.
+    # How drafts are verified where an Open does not say, a rule of sled/verification.py as NAME[:KEY=VALUE,...]
+    # (a greedy-only rule applies to greedy sessions; the others are verified exactly). verification_params: rules'
+    # parameters for the sessions that ask for them without giving them, NAME:KEY=VALUE,... each;
+    # refuse_verification: rules whose sessions are refused.
     verification: str = "exact"
-    allow_fly: bool = True
-    fly_window: int = 6  # FLy's deferred window W
-    fly_entropy_threshold: float = 0.3  # FLy's entropy gate, nats over the target's top-3 probabilities
+    verification_params: list[str] | None = None
+    refuse_verification: list[str] | None = None
     auth_token: str | None = None  # when set, Open must carry it (or a device token of auth_tokens_file)
     auth_token_file: str | None = None  # a file whose first line is auth_token, to keep it off the command line
     # Per-device credentials: lines NAME:SHA256HEX (the hex SHA-256 of that device's token, so the file holds no
@@ -102,16 +104,7 @@ class ServerConfig:
             raise ValueError(f"prefill_min_tokens must be positive, got {self.prefill_min_tokens}")
         if self.step_target_ms is not None and not 0 < self.step_target_ms < 60_000:  # also refuses NaN
             raise ValueError(f"step_target_ms must be in (0, 60000) ms, got {self.step_target_ms!r}")
-        if self.verification not in ("exact", "fly"):
-            raise ValueError(f"verification must be exact or fly, got {self.verification!r}")
-        if self.verification == "fly" and not self.allow_fly:
-            raise ValueError("verification fly as the default needs allow_fly")
-        if self.fly_window < 1:  # the upper bound, max_draft_tokens, is checked per session at Open
-            raise ValueError(f"fly_window must be positive, got {self.fly_window}")
-        if self.verification == "fly" and self.fly_window >= self.max_draft_tokens:
-            raise ValueError(f"fly_window ({self.fly_window}) must be below max_draft_tokens ({self.max_draft_tokens})")
-        if not 0 <= self.fly_entropy_threshold < 10:  # also refuses NaN; ln 3 is the most three tokens can have
-            raise ValueError(f"fly_entropy_threshold must be in [0, 10), got {self.fly_entropy_threshold!r}")
+        self._check_verification()
         if self.max_sessions_per_device < 0:
             raise ValueError(f"max_sessions_per_device must be >= 0 (0: no limit), got {self.max_sessions_per_device}")
         check_token(self.auth_token, self.auth_token_file)
@@ -172,6 +165,31 @@ class ServerConfig:
             if self.tls_cert is None:
                 raise ValueError("tls_client_ca applies to TLS: give tls_cert and tls_key too")
             check_ca(self.tls_client_ca)
+
+    def _check_verification(self) -> None:
+        for field_, items in (("verification_params", self.verification_params),
+                              ("refuse_verification", self.refuse_verification)):
+            if items is not None and (not isinstance(items, (list, tuple)) or any(not isinstance(x, str) for x in items)):
+                raise ValueError(f"{field_} must be a list of strings, got {items!r}")
+        default = Verification.parse(self.verification)
+        for name in self.refuse_verification or ():
+            if name not in RULES:
+                raise ValueError(f"refuse_verification: {name!r} is not a rule: one of {', '.join(RULES)}")
+        if default.name in (self.refuse_verification or ()):
+            raise ValueError(f"verification {default.name} is the default and refused (refuse_verification)")
+        least = default.spec.min_draft_tokens(default.resolved(self.params_for(default.name)))
+        if least > self.max_draft_tokens:  # other rules' are checked at each Open that asks for them
+            raise ValueError(f"verification {default}: its {default.spec.drafts_over} must be below "
+                             f"max_draft_tokens ({self.max_draft_tokens})")
+
+    def params_for(self, name: str) -> dict[str, float]:
+        """A rule's parameters as this server sets them (its default's, then verification_params, which win)."""
+        values: dict[str, float] = {}
+        for text in [self.verification, *(self.verification_params or ())]:
+            rule = Verification.parse(text)
+            if rule.name == name:
+                values.update(rule.params)
+        return values
 
     def start_cache_folder(self) -> Path | None:
         """Where start-up measurements are kept; None where start_cache is off."""

@@ -322,7 +322,7 @@ class Engine:
         session = Session(id=uuid.uuid4().hex, slot=slot, tokens=list(req.context_token_ids),
                           sampling=req.sampling, remaining=req.max_tokens,
                           stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id,
-                          device=device, decoded_here=req.server_decodes and on_verdict is not None, fly=req.fly)
+                          device=device, decoded_here=req.server_decodes and on_verdict is not None, rule=req.rule)
         session.kv_len = self.prefix_cache.load(slot, session.tokens)
         session.answered_at = time.monotonic()  # Opened: counts where the prefix cache held the whole prompt
         if session.kv_len:
@@ -428,8 +428,7 @@ class Engine:
                 live = [i for i in live if i not in bad]
                 continue
             for j, i in enumerate(live):
-                loose = int(ver.num_loose[j]) if ver.num_loose is not None else 0
-                results[i] = (int(ver.num_accepted[j]), int(ver.next_token[j]), loose)
+                results[i] = (int(ver.num_accepted[j]), int(ver.next_token[j]), int(ver.num_loose[j]))
             break
         return results
 

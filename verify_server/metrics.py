@@ -16,7 +16,7 @@ class Metrics:
     verifications: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    loosely_accepted_tokens: int = 0  # of accepted_tokens, accepted by FLy's loose rule
+    loosely_accepted_tokens: int = 0  # of accepted_tokens, accepted by a loose verification rule
     emitted_tokens: int = 0
     prefill_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt positions copied from the prefix cache instead of prefilled
@@ -38,7 +38,7 @@ class Metrics:
         self._p_draft_tokens = Counter("sled_spec_decode_num_draft_tokens", "draft tokens verified", registry=r)
         self._p_accepted = Counter("sled_spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
         self._p_loose = Counter("sled_spec_decode_num_loosely_accepted_tokens",
-                                "draft tokens accepted by FLy's loose rule (of those accepted)", registry=r)
+                                "draft tokens accepted by a loose verification rule (of those accepted)", registry=r)
         self._p_emitted = Counter("sled_generation_tokens", "tokens committed to sessions", registry=r)
         self._p_pos = Counter("sled_spec_decode_num_accepted_tokens_per_pos", "accepted tokens by draft position",
                               ["position"], registry=r)

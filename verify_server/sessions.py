@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .auth import Identity
+from .verification import Exact
 
 STOP = "stop"
 LENGTH = "length"
@@ -27,14 +28,6 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class Fly:
-    """FLy's loose verification of a greedy session: its deferred window and entropy threshold."""
-
-    window: int
-    entropy_threshold: float
-
-
-@dataclass(frozen=True)
 class OpenRequest:
     context_token_ids: tuple[int, ...]
     sampling: SamplingParams
@@ -43,7 +36,7 @@ class OpenRequest:
     client_id: str = ""
     server_decodes: bool = False  # no drafts: the server decodes every token and streams it
     device: Identity = Identity("", False)  # who opened it (verify_server.auth)
-    fly: Fly | None = None  # loose verification (FLy); None: exact
+    rule: object = field(default_factory=lambda: Exact({}))  # its verification rule (verify_server.verification)
 
 
 @dataclass(frozen=True)
@@ -80,7 +73,7 @@ class Verdict:
     step_sessions: int = 0
     token_ms: float = 0.0
     queue_ms: float = 0.0  # the draft's wait through earlier steps before its own
-    n_loose: int = 0  # of n_accepted, accepted loosely (FLy)
+    n_loose: int = 0  # of n_accepted, accepted by a loose rule
 
 
 @dataclass
@@ -95,7 +88,7 @@ class Session:
     client_id: str = ""
     device: Identity = Identity("", False)
     decoded_here: bool = False  # the server decodes it (Open.server_decodes): the engine asks each next token itself
-    fly: Fly | None = None
+    rule: object = field(default_factory=lambda: Exact({}))
     kv_len: int = 0
     generated: int = 0
     finished: bool = False

@@ -14,9 +14,9 @@ from edge_client.cli import main
     (["--seed", "-1"], "seed must be in [0, 2**63), got -1"),
     (["--wait-deadline", "nan"], "wait_deadline_s must be positive, got nan"),
     (["--verification", "fly", "--temperature", "0.7"],
-     "--verification fly applies to greedy generation (--temperature 0) only"),
-    (["--verification", "fly", "--fly-window", "-2"],
-     "fly_window must be >= 0 and fly_entropy_threshold in [0, 10) (0: the server's)"),
+     "fly verification applies to greedy generation (temperature 0) only"),
+    (["--verification", "fly:window=-2"], "fly's window must be an integer in [1, 64), got -2"),
+    (["--verification", "loose"], "verification 'loose' is not a rule: one of exact, fly"),
 ])
 def test_bad_generate_settings_are_one_line_errors(flags, message, capsys):
     # a draft model that does not exist: reaching the model load would say "does not exist" instead

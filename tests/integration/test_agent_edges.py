@@ -113,6 +113,29 @@ def test_an_unknown_model_is_404_model_not_found(daemon):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_greedy_only_rule_refuses_a_sampled_request_with_a_400_and_verifies_a_greedy_one(make_tiny_server, stream):
+    """A device that asks for FLy serves greedy requests with it; a sampled request gets a 400 naming the rule,
+    before any session opens (it is not verified exactly instead without a word)."""
+    server = make_tiny_server(max_seq_len=256)
+    d = Daemon(server.address, verification="fly")
+    try:
+        status, text = d.post("/v1/completions", {"model": MODEL, "prompt": "Once upon", "max_tokens": 4,
+                                                  "temperature": 0.8, "stream": stream})
+        assert status == 400, text
+        error = json.loads(text)["error"]
+        assert error["param"] == "temperature"
+        assert error["message"] == "fly verification applies to greedy generation (temperature 0) only"
+        assert server.engine.stats()["sessions_opened"] == 0
+        status, text = d.post("/v1/completions", {"model": MODEL, "prompt": "Once upon", "max_tokens": 4,
+                                                  "temperature": 0, "stream": stream})
+        assert status == 200, text
+        assert server.engine.stats()["sessions_opened"] >= 1
+    finally:
+        d.stop()
+    assert all_freed(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_prompt_over_the_servers_context_is_400(daemon, stream):
     server, d = daemon
     prompt = " ".join(["word"] * 400)  # over the server's 256 tokens, within the device's 4096

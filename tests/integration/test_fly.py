@@ -12,7 +12,7 @@ from edge_client.drafters.base import Proposal
 from edge_client.generation import generate
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
-from kernels.rejection_sampler import top3_entropy
+from verify_server.fly import top3_entropy
 from sled.v1 import verify_pb2 as pb
 from sled.v1 import verify_pb2_grpc as pb_grpc
 from tests.conftest import all_freed, run
@@ -61,22 +61,25 @@ async def one_round(address, tiny, draft, **open_fields):
 
 
 def test_a_fly_session_keeps_a_variant_the_target_corrects_around_and_an_exact_one_does_not(make_tiny_server, tiny):
-    server = make_tiny_server(fly_entropy_threshold=0.0)
+    server = make_tiny_server(verification_params=["fly:entropy_threshold=0"])
     want, draft = variant_draft(tiny, 3)
 
     opened, exact, _, _ = run(one_round(server.address, tiny, draft))
-    assert opened.fly_window == 0
+    assert (opened.verification, opened.min_draft_tokens) == (pb.VERIFICATION_EXACT, 0)
     assert (exact.n_accepted, exact.next_token, exact.n_loose) == (0, want, 0)
 
-    opened, fly, _, _ = run(one_round(server.address, tiny, draft, verification=pb.VERIFICATION_FLY, fly_window=3))
-    assert (opened.fly_window, opened.verification) == (3, pb.VERIFICATION_FLY)
+    opened, fly, _, _ = run(one_round(server.address, tiny, draft, verification=pb.VERIFICATION_FLY,
+                                      verification_params={"window": 3}))
+    assert (opened.verification, opened.min_draft_tokens) == (pb.VERIFICATION_FLY, 4)
+    assert dict(opened.verification_params) == {"window": 3, "entropy_threshold": 0}
     assert (fly.n_accepted, fly.n_loose) == (4, 1)  # the variant and the three tokens the target agrees on after it
     assert fly.next_token == greedy_after(tiny, PROMPT + draft, 1)[0][0]  # the bonus token follows the variant
     assert server.engine.stats()["loosely_accepted_tokens"] == 1
 
     # where the target is sure of its choice, the entropy gate keeps FLy exact
     gated = make_tiny_server()
-    _, sure, _, _ = run(one_round(gated.address, tiny, draft, verification=pb.VERIFICATION_FLY, fly_window=3))
+    _, sure, _, _ = run(one_round(gated.address, tiny, draft, verification=pb.VERIFICATION_FLY,
+                                  verification_params={"window": 3}))
     assert (sure.n_accepted, sure.next_token, sure.n_loose) == (0, want, 0)
     assert all_freed(server) and all_freed(gated)
 
@@ -85,10 +88,10 @@ def test_fly_is_refused_for_sampling_and_by_a_server_that_does_not_allow_it(make
     server = make_tiny_server()
     _, _, code, details = run(one_round(server.address, tiny, [], verification=pb.VERIFICATION_FLY,
                                         sampling=pb.SamplingParams(temperature=0.7)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "greedy sessions" in details
-    strict = make_tiny_server(allow_fly=False)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "greedy generation" in details
+    strict = make_tiny_server(refuse_verification=["fly"])
     _, _, code, details = run(one_round(strict.address, tiny, [], verification=pb.VERIFICATION_FLY))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "does not allow FLy" in details
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "does not allow fly" in details
     assert all_freed(server) and all_freed(strict)
 
 
@@ -114,9 +117,9 @@ class Scripted:
 
 
 def test_the_device_asks_for_fly_and_counts_what_was_accepted_loosely(make_tiny_server, tiny, tokenizer):
-    server = make_tiny_server(fly_entropy_threshold=0.0)
+    server = make_tiny_server(verification_params=["fly:entropy_threshold=0"])
     want, draft = variant_draft(tiny, 3)
-    fly = DraftPolicy(draft_tokens=4, adaptive=False, verification="fly", fly_window=3)
+    fly = DraftPolicy(draft_tokens=4, adaptive=False, verification="fly:window=3")
 
     async def go(policy, sampling=SamplingParams()):
         client = VerifierClient(server.address)

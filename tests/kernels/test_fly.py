@@ -4,7 +4,13 @@ import math
 
 import torch
 
-from kernels.rejection_sampler import SamplingBatch, rejection_sample, top3_entropy
+from kernels.rejection_sampler import SamplingBatch, rejection_sample
+from verify_server.fly import top3_entropy
+from verify_server.verification import Exact, Fly, rule_batch
+
+
+def fly(window: int = 3, threshold: float = 0.3) -> Fly:
+    return Fly({"window": window, "entropy_threshold": threshold})
 
 V = 12
 UNSURE, SURE = "unsure", "sure"
@@ -28,12 +34,11 @@ def verify(draft: list[int], rows: list[torch.Tensor], window: int = 3, threshol
     """One greedy request: its draft and the target's rows (one per draft token and the bonus row)."""
     assert len(rows) == len(draft) + 1
     sampling = SamplingBatch(torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1), (None,),
-                             fly_window=torch.tensor([window]), fly_entropy=torch.tensor([threshold]))
+                             rules=rule_batch([fly(window, threshold)]))
     q_ids = torch.tensor(draft).view(-1, 1)
     out = rejection_sample(torch.stack(rows), torch.tensor(draft), torch.tensor([0, len(draft)]), q_ids,
                            torch.ones(len(draft), 1), sampling)
-    loose = out.num_loose
-    return int(out.num_accepted[0]), int(out.next_token[0]), 0 if loose is None else int(loose[0])
+    return int(out.num_accepted[0]), int(out.next_token[0]), int(out.num_loose[0])
 
 
 def test_entropy_of_the_top_three():
@@ -84,8 +89,24 @@ def test_exact_rows_of_the_batch_stay_exact_beside_a_fly_request():
     rows = [row(6, UNSURE), row(7), row(8), row(9), row(10)]
     logits = torch.stack(rows + rows)
     sampling = SamplingBatch(torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), (None, None),
-                             fly_window=torch.tensor([3, 0]), fly_entropy=torch.tensor([0.3, 0.3]))
+                             rules=rule_batch([fly(), Exact({})]))
     q = torch.tensor(draft + draft).view(-1, 1)
     out = rejection_sample(logits, torch.tensor(draft + draft), torch.tensor([0, 4, 8]), q, torch.ones(8, 1), sampling)
     assert out.num_accepted.tolist() == [4, 0] and out.next_token.tolist() == [10, 6]
     assert out.num_loose.tolist() == [1, 0]
+
+
+def test_each_session_in_a_step_is_judged_by_its_own_rule_and_parameters():
+    """Three sessions of one step, batched: FLy at W = 2 (the mismatch at the third of four tokens is kept), FLy at
+    W = 3 (it is not: too close to the draft's end) and exact, each verified as it is alone."""
+    draft = [1, 5, 8, 9]
+    rows = [row(1), row(6, UNSURE), row(8), row(9), row(10)]
+    alone = [verify(draft, rows, window=2), verify(draft, rows, window=3)]
+    assert alone == [(4, 10, 1), (1, 6, 0)]
+    sampling = SamplingBatch(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(3), (None,) * 3,
+                             rules=rule_batch([fly(2), fly(3), Exact({})]))
+    q = torch.tensor(draft * 3).view(-1, 1)
+    out = rejection_sample(torch.stack(rows * 3), torch.tensor(draft * 3), torch.tensor([0, 4, 8, 12]), q,
+                           torch.ones(12, 1), sampling)
+    got = list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.num_loose.tolist()))
+    assert got == alone + [(1, 6, 0)]

@@ -88,24 +88,36 @@ def test_a_temperature_below_the_floor_is_greedy_on_both_sides(temperature, gree
     assert DeviceSampling(temperature=temperature).greedy == greedy
 
 
-def test_fly_is_asked_per_session_with_the_server_s_defaults_and_its_limits():
-    def fly(config=CONFIG, temperature=0.0, **fields):
+def test_a_rule_is_asked_per_session_with_the_server_s_parameters_and_its_limits():
+    def rule(config=CONFIG, temperature=0.0, **fields):
         msg = pb.Open(context_token_ids=[1], max_tokens=1, sampling=pb.SamplingParams(temperature=temperature),
                       **fields)
-        return open_from_pb(msg, 100, config).fly
+        return open_from_pb(msg, 100, config).rule
 
-    assert fly() is None and fly(verification=pb.VERIFICATION_EXACT) is None
-    got = fly(verification=pb.VERIFICATION_FLY)
-    assert (got.window, got.entropy_threshold) == (6, pytest.approx(0.3))  # the server's defaults
-    got = fly(verification=pb.VERIFICATION_FLY, fly_window=3, fly_entropy_threshold=0.5)
+    assert rule().name == "exact" and rule(verification=pb.VERIFICATION_EXACT).name == "exact"
+    got = rule(verification=pb.VERIFICATION_FLY)
+    assert (got.window, got.entropy_threshold) == (6, pytest.approx(0.3))  # the rule's defaults
+    got = rule(verification=pb.VERIFICATION_FLY, verification_params={"window": 3, "entropy_threshold": 0.5})
     assert (got.window, got.entropy_threshold) == (3, pytest.approx(0.5))
-    fly_server = ServerConfig(max_seq_len=64, verification="fly")
-    assert fly(fly_server).window == 6  # the server's default mode
-    assert fly(fly_server, temperature=0.7) is None  # ... which leaves sampled sessions exact
+    tuned = ServerConfig(max_seq_len=64, verification_params=["fly:window=4"])
+    assert rule(tuned, verification=pb.VERIFICATION_FLY).window == 4  # the server's parameters
+    assert rule(tuned, verification=pb.VERIFICATION_FLY, verification_params={"window": 2}).window == 2
+    fly_server = ServerConfig(max_seq_len=64, verification="fly:window=5")
+    assert rule(fly_server).window == 5  # the server's default rule, with its parameters
+    assert rule(fly_server, temperature=0.7).name == "exact"  # ... which leaves sampled sessions exact
     for fields, config, code, needle in (
-            (dict(temperature=0.7), CONFIG, "INVALID_ARGUMENT", "greedy sessions (temperature 0) only"),
-            (dict(), ServerConfig(max_seq_len=64, allow_fly=False), "FAILED_PRECONDITION", "does not allow FLy"),
-            (dict(fly_window=16), CONFIG, "INVALID_ARGUMENT", "fly_window must be in 1..15")):
+            (dict(temperature=0.7), CONFIG, "INVALID_ARGUMENT",
+             "fly verification applies to greedy generation (temperature 0) only: sampling is verified exactly"),
+            (dict(), ServerConfig(max_seq_len=64, refuse_verification=["fly"]), "FAILED_PRECONDITION",
+             "does not allow fly verification (refuse_verification)"),
+            (dict(verification_params={"window": 16}), CONFIG, "INVALID_ARGUMENT",
+             "fly verification needs drafts of 17 tokens, over this server's max_draft_tokens 16"),
+            (dict(verification_params={"window": 2.5}), CONFIG, "INVALID_ARGUMENT",
+             "fly's window must be an integer in [1, 64), got 2.5"),
+            (dict(verification_params={"colour": 1}), CONFIG, "INVALID_ARGUMENT",
+             "fly verification has no parameter 'colour' (its parameters: window, entropy_threshold)")):
         with pytest.raises(SledError) as err:
-            fly(config, verification=pb.VERIFICATION_FLY, **fields)
-        assert err.value.code == code and needle in err.value.message
+            rule(config, verification=pb.VERIFICATION_FLY, **fields)
+        assert err.value.code == code and needle in err.value.message, err.value.message
+    with pytest.raises(SledError, match="verification 7 is not one this server knows"):
+        rule(verification=7)
