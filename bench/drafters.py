@@ -24,6 +24,7 @@ from pathlib import Path
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.drafters.ngram import lookup
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.tokenizer import Tokenizer
 from edge_client.transport import VerifierClient
@@ -83,8 +84,8 @@ async def run_set(address, tokenizer, drafter, prompts, max_tokens, k, adaptive=
     try:
         for p in prompts:
             ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": p}]))
-            rows.append(await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens,
-                                        policy=policy(k, adaptive)))
+            request = Request(ids, max_tokens=max_tokens, policy=policy(k, adaptive))
+            rows.append(await generate(client, drafter, tokenizer, request))
     finally:
         await client.close()
     copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
@@ -337,10 +338,12 @@ def main(args) -> int:
     walks = [f"- {text}: prompt lookup asked again after each missed guess, at most {k - 1} a check, would keep "
              f"{r['walk_kept']} of the answers' {r['tokens']} tokens in {r['walk_checks']} checks (a stack's best)"
              for text, r in answers.items()]
-    ceilings = [f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a "
-                f"stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
-                f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
-                for model, cost in costs.items()]
+    ceilings = [
+        f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a "
+        f"stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
+        f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
+        for model, cost in costs.items()
+    ]
     table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *walks, *ceilings])
     print("\n" + table)
     section = (

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from edge_client.tokenizer import Tokenizer
@@ -69,9 +70,10 @@ async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int,
     before = await client.info()
     start = time.perf_counter()
     results = await asyncio.gather(*[
-        generate(client, d, tokenizer, p, max_tokens=max_tokens,
-                 policy=DraftPolicy(draft_tokens=k, adaptive=False, draft_ahead=draft_ahead),
-                 sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None))
+        generate(client, d, tokenizer,
+                 Request(p, max_tokens=max_tokens,
+                         sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None),
+                         policy=DraftPolicy(draft_tokens=k, adaptive=False, draft_ahead=draft_ahead)))
         for i, (d, p) in enumerate(zip(drafters, prompts))
     ])
     wall = time.perf_counter() - start

@@ -124,14 +124,16 @@ def policy_for(mode: str, args):
 async def complete(address, tokenizer, drafter, prompt_ids, max_tokens, policy):
     """One greedy generation, stopped once its text has a stop sequence (cut() trims what came after)."""
     from edge_client.generation import generate
+    from edge_client.request import Callbacks, Request
     from edge_client.transport import VerifierClient
 
     text = []
     client = VerifierClient(address)
     try:
-        return await generate(client, drafter, tokenizer, prompt_ids, max_tokens=max_tokens, policy=policy,
-                              on_text=lambda piece, verified: text.append(piece),
-                              should_stop=lambda: cut("".join(text)) != "".join(text))
+        heard = Callbacks(on_text=lambda piece, verified: text.append(piece),
+                          should_stop=lambda: cut("".join(text)) != "".join(text))
+        return await generate(client, drafter, tokenizer, Request(prompt_ids, max_tokens=max_tokens, policy=policy),
+                              callbacks=heard)
     finally:
         await client.close()
 
@@ -209,9 +211,11 @@ def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
                    f"{100 * (ll_change + ll_spread):+.2f}% over the {by['target']['log_likelihood_items']} items with "
                    "a text in every mode")
     exact_length, k = by["exact"]["mean_acceptance_length"], args.draft_tokens
-    goals = [f"- mean acceptance length, FLy / exact: {gain:.2f}x (goal at least 1.25x; a round commits at most K + 1 "
-             f"= {k + 1} tokens, so no rule passes {(k + 1) / exact_length:.2f}x over exact's {exact_length:.2f} "
-             f"with this pair); device tok/s FLy / exact: {by['fly']['tokens_per_s'] / by['exact']['tokens_per_s']:.2f}x"]
+    goals = [
+        f"- mean acceptance length, FLy / exact: {gain:.2f}x (goal at least 1.25x; a round commits at most K + 1 "
+        f"= {k + 1} tokens, so no rule passes {(k + 1) / exact_length:.2f}x over exact's {exact_length:.2f} "
+        f"with this pair); device tok/s FLy / exact: {by['fly']['tokens_per_s'] / by['exact']['tokens_per_s']:.2f}x"
+    ]
     if by["target"]["pass_at_1"] < MEANINGFUL_SCORE:
         goals.append(f"- the target solves {100 * by['target']['pass_at_1']:.1f}% of the items: too few for a point "
                      f"of score to mean anything, so the goal is the target's mean log-likelihood of FLy's "

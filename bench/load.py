@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_client.generation import generate
+from edge_client.request import Callbacks, Request
 from edge_client.policy import DraftPolicy
 from edge_client.transport import VerifierClient
 
@@ -115,8 +116,9 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
                     return bool(cut)
 
                 asked = time.perf_counter()
-                r = await generate(own or client, drafter, tokenizer, prompt_ids[p], max_tokens=max_tokens,
-                                   policy=policy, controller=controller, should_stop=stop)
+                request = Request(prompt_ids[p], max_tokens=max_tokens, policy=policy)
+                r = await generate(own or client, drafter, tokenizer, request, controller=controller,
+                                   callbacks=Callbacks(should_stop=stop))
                 if not r.token_ids and time.perf_counter() >= end:
                     break  # the window ended before this request reached the server: it was never made
                 inside = [start <= t < end for t in drafter.commits]
@@ -195,21 +197,29 @@ def summarize(mode, n, w: Window):
     hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
     prefilled = after.prefill_tokens - before.prefill_tokens
     return {
-        "mode": mode, "devices": n, "system_tokens_per_s": sum(per_device),
+        "mode": mode,
+        "devices": n,
+        "system_tokens_per_s": sum(per_device),
         "per_device_tokens_per_s": float(np.mean(per_device)),
-        "p50_inter_token_ms": float(np.percentile(itl, 50) * 1000), "p95_inter_token_ms": float(np.percentile(itl, 95) * 1000),
+        "p50_inter_token_ms": float(np.percentile(itl, 50) * 1000),
+        "p95_inter_token_ms": float(np.percentile(itl, 95) * 1000),
         "acceptance_rate": sum(r.accepted_tokens for r in w.results) / drafted if drafted else 0.0,
         "mean_draft_tokens": drafted / max(sum(r.rounds for r in w.results), 1),
         "drafted_ahead_share": sum(r.ahead_tokens for r in w.results) / drafted if drafted else 0.0,
         "requests": len(w.results),
         "server_step_ms": (after.step_seconds_total - before.step_seconds_total) / steps * 1000 if steps else 0.0,
-        "server_forward_ms": (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0,
+        "server_forward_ms": (
+            (after.forward_seconds_total - before.forward_seconds_total) / steps * 1000 if steps else 0.0
+        ),
         "server_batch_sessions": (after.verifications - before.verifications) / steps if steps else 0.0,
         "server_busy_share": (after.step_seconds_total - before.step_seconds_total) / w.seconds,
         # Tokens through the forward per step (prefill, and each verification's draft and the token before it), and
         # tokens committed per step: what step_cost_ratio prices at the steps' cost alone.
-        "server_step_tokens": (prefilled + after.verifications - before.verifications + after.draft_tokens
-                               - before.draft_tokens) / steps if steps else 0.0,
+        "server_step_tokens": (
+            (prefilled + after.verifications - before.verifications + after.draft_tokens - before.draft_tokens) / steps
+            if steps
+            else 0.0
+        ),
         "server_committed_per_step": (after.emitted_tokens - before.emitted_tokens) / steps if steps else 0.0,
         "window_opened_s": w.opened_s,
         "host_cpu_stolen_share": w.stolen,

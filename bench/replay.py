@@ -14,6 +14,7 @@ from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.drafters.base import Proposal
 from edge_client.drafters.kv_drafter import common_prefix
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient
 from edge_client.workload import QUESTIONS
@@ -77,7 +78,9 @@ class ReplayDrafter:
     def propose(self, context, k, stop=None):
         tokens, sure = self.rounds.get(len(context)), None
         if tokens is None or (self.prefixes is not None and list(context) != self.prefixes[:len(context)]):
-            tokens = [context[-1] ^ 1] * k  # off the recording: filler, never the last token (a random target repeats it)
+            tokens = [
+                context[-1] ^ 1
+            ] * k  # off the recording: filler, never the last token (a random target repeats it)
         elif self.confidence is not None:
             sure = self.confidence[len(context)]
         tokens = tokens[:k]
@@ -166,8 +169,8 @@ def greedy_outputs(address, tokenizer, prompt_ids, max_tokens) -> list[list[int]
     async def once():
         client = VerifierClient(address)
         try:
-            return await asyncio.gather(*[generate(client, create_drafter("none"), tokenizer, ids,
-                                                   max_tokens=max_tokens) for ids in prompt_ids])
+            return await asyncio.gather(*[generate(client, create_drafter("none"), tokenizer,
+                                                   Request(ids, max_tokens=max_tokens)) for ids in prompt_ids])
         finally:
             await client.close()
 
@@ -185,7 +188,9 @@ def synthesize_tables(fulls: list[list[int]], prompt_lens: list[int], match: flo
         for n in range(start, len(full)):
             draft = []
             for tok in full[n:n + K_MAX]:
-                draft.append(tok if rng.random() < match else int((tok + 1 + rng.integers(vocab_size - 1)) % vocab_size))
+                draft.append(
+                    tok if rng.random() < match else int((tok + 1 + rng.integers(vocab_size - 1)) % vocab_size)
+                )
             table[n] = draft
         tables.append(table)
     return tables

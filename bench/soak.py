@@ -101,6 +101,7 @@ async def device(index: int, address: str, tokenizer, reference, args, tally: Ta
                  rng: random.Random) -> None:
     from edge_client.drafters import create_drafter
     from edge_client.generation import generate
+    from edge_client.request import Request
     from edge_client.policy import DraftPolicy
     from edge_client.resilience import Resilience
     from edge_client.transport import VerifierClient, VerifyError
@@ -115,9 +116,9 @@ async def device(index: int, address: str, tokenizer, reference, args, tally: Ta
         while not stop.is_set():
             prompt = list(rng.choice(prompts))
             want = reference[tuple(prompt)]
-            job = asyncio.ensure_future(generate(client, drafter, tokenizer, prompt, max_tokens=args.max_tokens,
-                                                 client_id=f"soak-{index}", resilience=resilience,
-                                                 policy=DraftPolicy(draft_tokens=4, adaptive=index % 2 == 0)))
+            request = Request(prompt, max_tokens=args.max_tokens,
+                              policy=DraftPolicy(draft_tokens=4, adaptive=index % 2 == 0), client_id=f"soak-{index}")
+            job = asyncio.ensure_future(generate(client, drafter, tokenizer, request, resilience=resilience))
             cancel = rng.random() < args.cancel_share
             try:
                 if cancel:
@@ -283,14 +284,16 @@ def section(args, tally: Tally, slots: tuple[int, int], lives: list[dict], machi
         ("RSS growth per life, median (MiB)", f"{statistics.median(growth):+.1f}"),
     ]
     table = "\n".join(f"| {what} | {value} |" for what, value in rows)
-    return (f"{MARKER}\n\n`{command}` on {machine}, {datetime.now(timezone.utc):%Y-%m-%d}: {args.devices} devices "
-            f"for {tally.seconds:.0f} s ({args.seconds:g} s asked; restarts take longer) against the default target "
-            f"(SmolLM2-135M-Instruct), {args.max_tokens} tokens a request, a kill or drain every {args.kill_every:g} s (down {args.down_s:g} s), "
-            f"{args.cancel_share:.0%} of requests cancelled, ~{args.malformed_per_s:g} malformed calls a second.\n\n"
-            f"| what | figure |\n|---|---:|\n{table}\n\n"
-            "Tokens lost counts every token of a finished text that differs from the target's greedy text "
-            "(transformers' generate on the same weights); KV slots leaked is the server's slots less those free "
-            "once the devices stop.\n")
+    return (
+        f"{MARKER}\n\n`{command}` on {machine}, {datetime.now(timezone.utc):%Y-%m-%d}: {args.devices} devices "
+        f"for {tally.seconds:.0f} s ({args.seconds:g} s asked; restarts take longer) against the default target "
+        f"(SmolLM2-135M-Instruct), {args.max_tokens} tokens a request, a kill or drain every {args.kill_every:g} s (down {args.down_s:g} s), "
+        f"{args.cancel_share:.0%} of requests cancelled, ~{args.malformed_per_s:g} malformed calls a second.\n\n"
+        f"| what | figure |\n|---|---:|\n{table}\n\n"
+        "Tokens lost counts every token of a finished text that differs from the target's greedy text "
+        "(transformers' generate on the same weights); KV slots leaked is the server's slots less those free "
+        "once the devices stop.\n"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=positive(int), default=96, help="the server's KV slots (default 96)")
     p.add_argument("--target", help="target model (default: the SmolLM2 GGUF)")
     p.add_argument("--seed", type=int, default=0, help="seed of the run's random choices (default 0)")
-    p.add_argument("--markdown", default="docs/benchmarks.md", help="where the section goes (default docs/benchmarks.md)")
+    p.add_argument(
+        "--markdown", default="docs/benchmarks.md", help="where the section goes (default docs/benchmarks.md)"
+    )
     p.add_argument("--no-markdown", action="store_true", help="print the section only")
     return p
 

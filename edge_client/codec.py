@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from sled.v1 import verify_pb2 as pb
-from sled.verification import Verification
 
 from .drafters.base import Proposal
+from .request import Request
 from .sampling import SamplingParams
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -41,18 +41,19 @@ class Verdict:
     n_loose: int = 0  # of n_accepted, accepted by a loose rule
 
 
-def open_message(context: list[int], sampling: SamplingParams, max_tokens: int, fingerprint: str,
-                 stop_token_ids: list[int] = (), client_id: str = "", auth_token: str = "",
-                 server_decodes: bool = False, verification: Verification | None = None) -> pb.ClientMessage:
-    """An Open; `verification`: the rule asked for, None for the server's default."""
+def open_message(request: Request, context: list[int], max_tokens: int, sampling: SamplingParams, fingerprint: str,
+                 auth_token: str = "") -> pb.ClientMessage:
+    """The request's Open: its `context` so far, `max_tokens` still to generate, with `sampling` (a reopen's seed
+    moves on); the rule it asks for, or the server's default."""
     sp = pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if sampling.seed is not None:
         sp.seed = sampling.seed
+    rule = request.policy.rule
     return pb.ClientMessage(open=pb.Open(
         tokenizer_fingerprint=fingerprint, context_token_ids=context, sampling=sp, max_tokens=max_tokens,
-        stop_token_ids=list(stop_token_ids), client_id=client_id, auth_token=auth_token or "",
-        server_decodes=server_decodes, verification=verification.wire if verification else pb.VERIFICATION_UNSPECIFIED,
-        verification_params=dict(verification.params) if verification else {}))
+        stop_token_ids=list(request.stop_token_ids), client_id=request.client_id, auth_token=auth_token or "",
+        server_decodes=not request.policy.drafts, verification=rule.wire if rule else pb.VERIFICATION_UNSPECIFIED,
+        verification_params=dict(rule.params) if rule else {}))
 
 
 def draft_message(session_id: str, round_: int, proposal: Proposal) -> pb.ClientMessage:

@@ -12,16 +12,17 @@ session with its full context (docs/device.md, "Nothing lost").
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
 
 from . import codec
 from .adaptive import AdaptiveDraftLength
 from .drafters.base import Drafter, NoDrafter, Proposal
 from .policy import DraftLength, DraftPolicy
 from .resilience import Outage, Resilience
+from .request import Callbacks, Request
 from .result import GenerationResult
-from .round import Round, RoundHooks, RoundRules
+from .round import Round, RoundRules
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .transport import RemoteSession, VerifierClient, VerifyError
@@ -30,23 +31,23 @@ from .transport import RemoteSession, VerifierClient, VerifyError
 class _Generation:
     """One generation's state; `generate()` below is its entry point."""
 
-    def __init__(self, client, drafter, tokenizer, prompt, max_tokens: int, sampling: SamplingParams,
-                 policy: DraftPolicy, controller: DraftLength, resilience: Resilience, stop_ids: Sequence[int],
-                 on_text, on_status, should_stop, client_id: str, hooks: RoundHooks | None = None):
-        self.client, self.drafter, self.tokenizer = client, drafter, tokenizer
-        self.max_tokens, self.sampling, self.policy, self.controller = max_tokens, sampling, policy, controller
-        self.resilience, self.on_text, self.should_stop, self.client_id = resilience, on_text, should_stop, client_id
-        self.on_status = on_status
-        self.request_stops = list(stop_ids)
+    def __init__(self, client, drafter: Drafter, tokenizer: Tokenizer, request: Request, resilience: Resilience,
+                 controller: DraftLength, callbacks: Callbacks):
+        self.client, self.drafter, self.tokenizer, self.request = client, drafter, tokenizer, request
+        self.max_tokens, self.sampling, self.policy = request.max_tokens, request.sampling, request.policy
+        self.resilience, self.controller = resilience, controller
+        self.on_text, self.on_status, self.should_stop = callbacks.on_text, callbacks.on_status, callbacks.should_stop
+        prompt = request.prompt_token_ids
         self.result = GenerationResult(prompt_token_ids=list(prompt), drafter=getattr(drafter, "name", ""))
-        self.round = Round(drafter, RoundRules(policy, controller), prompt, self.result, max_tokens=max_tokens,
-                           stop_ids=frozenset(stop_ids) | {tokenizer.eos_token_id}, hooks=hooks)
+        self.round = Round(drafter, RoundRules(request.policy, controller), prompt, self.result,
+                           max_tokens=request.max_tokens,
+                           stop_ids=frozenset(request.stop_token_ids) | {tokenizer.eos_token_id}, hooks=callbacks.hooks)
         self.decoder = tokenizer.stream_decoder()
         self.pieces: list[str] = []
         self.session: RemoteSession | None = None
         self.opens = 0
         self.sent_at = 0.0  # when the last draft went out
-        self.outage = Outage(resilience, getattr(client, "address", ""), on_status)
+        self.outage = Outage(resilience, getattr(client, "address", ""), self.on_status)
         self.done = False
 
     @property
@@ -68,10 +69,8 @@ class _Generation:
             # A reopened server session must not replay the random draws it already used.
             sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
                                       (sampling.seed + 1_000_003 * self.opens) % 2**63)
-        p = self.policy
-        msg = codec.open_message(self.context, sampling, self.max_tokens - len(self.result.token_ids),
-                                 self.tokenizer.fingerprint, self.request_stops, self.client_id,
-                                 self.client.auth_token or "", not p.drafts, p.rule)
+        msg = codec.open_message(self.request, self.context, self.max_tokens - len(self.result.token_ids), sampling,
+                                 self.tokenizer.fingerprint, self.client.auth_token or "")
         self.session = await self.client.open(msg, timeout=self.outage.open_timeout(),
                                               wait_for_ready=self.outage.waits_for_ready)
         if self.opens:
@@ -184,37 +183,14 @@ class _Generation:
             self.finish(verdict.finish_reason)
 
 
-async def generate(
-    client: VerifierClient,
-    drafter: Drafter,
-    tokenizer: Tokenizer,
-    prompt_token_ids: list[int],
-    *,
-    max_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    policy: DraftPolicy = DraftPolicy(),
-    resilience: Resilience = Resilience(),
-    controller: AdaptiveDraftLength | None = None,
-    stop_token_ids: Sequence[int] = (),
-    on_text: Callable[[str, bool], None] | None = None,
-    on_status: Callable[[str], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    client_id: str = "",
-    hooks: RoundHooks | None = None,
-) -> GenerationResult:
-    """Generate up to max_tokens after the prompt. on_text(piece, verified) sees the text as it is committed;
-    on_status(message) hears when the server is found unreachable and when it is back, and when it caps K;
-    should_stop() is asked each round. `controller` is the device's adaptive controller, kept across its requests so
-    that each starts from what the earlier ones measured (None: a fresh one); the `none` drafter drafts nothing
-    whatever the policy."""
-    if not prompt_token_ids:
-        raise ValueError("the prompt is empty: nothing to continue")
-    if max_tokens <= 0:
-        raise ValueError("max_tokens must be at least 1")
+async def generate(client: VerifierClient, drafter: Drafter, tokenizer: Tokenizer, request: Request, *,
+                   resilience: Resilience = Resilience(), controller: AdaptiveDraftLength | None = None,
+                   callbacks: Callbacks = Callbacks()) -> GenerationResult:
+    """Generate the request's tokens after its prompt, telling `callbacks` as it goes. `controller` is the device's
+    adaptive controller, kept across its requests so that each starts from what the earlier ones measured (None: a
+    fresh one); the `none` drafter drafts nothing whatever the policy."""
     if getattr(drafter, "name", "") == NoDrafter.name:
-        policy = DraftPolicy(draft_tokens=0, adaptive=False)
-    policy.check(sampling)
-    run = _Generation(client, drafter, tokenizer, prompt_token_ids, max_tokens, sampling, policy,
-                      policy.controller(controller), resilience, stop_token_ids, on_text, on_status, should_stop,
-                      client_id, hooks)
+        request = dataclasses.replace(request, policy=DraftPolicy(draft_tokens=0, adaptive=False))
+    run = _Generation(client, drafter, tokenizer, request, resilience, request.policy.controller(controller),
+                      callbacks)
     return await run.run()

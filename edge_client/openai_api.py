@@ -79,7 +79,9 @@ def api_key_check(key: str | None):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             given = given.strip() if scheme.lower() == "bearer" else ""
             if not given:
-                refused = "an API key is required: send it as 'Authorization: Bearer <key>' (the OpenAI client's api_key)"
+                refused = (
+                    "an API key is required: send it as 'Authorization: Bearer <key>' (the OpenAI client's api_key)"
+                )
             elif not hmac.compare_digest(given.encode(), key.encode()):
                 refused = "the API key given is not this device agent's"
             else:
@@ -179,6 +181,10 @@ class OpenAIServer:
             self.agent.policy.check(sampling)
         except ValueError as err:
             return _error(400, str(err), param="temperature")
+        try:
+            asked = self.agent.request(prompt_ids, sampling, max_tokens)
+        except ValueError as err:
+            return _error(400, str(err))
         try:  # likewise a prompt too long for the device's or the server's context: a 400 before the headers
             await self.agent.check_fits(len(prompt_ids), max_tokens)
         except ValueError as err:
@@ -189,7 +195,7 @@ class OpenAIServer:
 
         if not stream:
             try:
-                c = await self.agent.complete(prompt_ids, sampling, max_tokens, stops, gone=gone)
+                c = await self.agent.complete(asked, stops, gone=gone)
             except ValueError as err:
                 return _error(400, str(err))
             except VerifyError as err:
@@ -222,8 +228,7 @@ class OpenAIServer:
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             queue.put_nowait(first)
         task = asyncio.create_task(self.agent.complete(
-            prompt_ids, sampling, max_tokens, stops, on_text=lambda t, ok: queue.put_nowait(event(t, ok)),
-            gone=gone))
+            asked, stops, on_text=lambda t, ok: queue.put_nowait(event(t, ok)), gone=gone))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while True:

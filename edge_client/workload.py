@@ -10,6 +10,7 @@ from pathlib import Path
 from .config import EdgeConfig
 from .drafters import create_drafter
 from .generation import generate
+from .request import Callbacks, Request
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .servers import connect
@@ -41,9 +42,9 @@ async def run_workload(config: EdgeConfig, requests: int, max_tokens: int, name:
             q = QUESTIONS[(offset + i) % len(QUESTIONS)]
             ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q}]))
             sampling = SamplingParams(temperature=temperature, seed=offset + i if temperature > 0 else None)
-            r = await generate(client, drafter, tokenizer, ids, max_tokens=max_tokens, sampling=sampling,
-                               policy=policy, resilience=resilience, controller=controller, client_id=name,
-                               on_status=lambda message: log(f"[{name}] {message}"))
+            asked = Request(ids, max_tokens, sampling, policy, client_id=name)
+            r = await generate(client, drafter, tokenizer, asked, resilience=resilience, controller=controller,
+                               callbacks=Callbacks(on_status=lambda message: log(f"[{name}] {message}")))
             runs.append(r)
             log(f"[{name}] request {i + 1}/{requests}: {len(r.token_ids)} tokens, {r.tokens_per_second:.1f} tok/s, "
                 f"acceptance {r.acceptance_rate:.2f}")

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -170,6 +171,27 @@ class _Model(ctypes.Structure):
                 + [("layers", ctypes.POINTER(_Layer))])
 
 
+@dataclass(frozen=True)
+class StepModel:
+    """What the fused step reads of a model: per layer its norms, projections and biases (ln1, ln2, q, k, v, o,
+    gate, up, down; bq, bk, bv, bo, bgate, bup, bdown, None where absent), the final norm and logits projection,
+    the KV pool, the RoPE tables, and the attention's shape."""
+
+    layers: Sequence[dict[str, torch.Tensor | None]]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    lm_bias: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
 class CpuStep:
     """A Llama-family target's forward in one call per batch of tokens, over the runner's weights and KV pool.
 
@@ -177,10 +199,10 @@ class CpuStep:
     the logits projection), packed in the panels the C side's matrix products read; the norms, the cache and
     the RoPE tables are read in place. Float32 on CPU only."""
 
-    def __init__(self, *, layers: Sequence[dict[str, torch.Tensor | None]], norm: torch.Tensor,
-                 lm_head: torch.Tensor, lm_bias: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 eps: float, scale: float):
+    def __init__(self, m: StepModel):
+        layers, norm, lm_head, lm_bias, k_cache, v_cache = m.layers, m.norm, m.lm_head, m.lm_bias, m.k_cache, m.v_cache
+        cos, sin_signed, eps, scale = m.cos, m.sin_signed, m.eps, m.scale
+        num_heads, num_kv_heads, head_dim = m.num_heads, m.num_kv_heads, m.head_dim
         tensors = [norm, lm_head, k_cache, v_cache, cos, sin_signed]
         if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
             raise CpuStepUnavailable("the fused CPU step runs float32 models on CPU only")

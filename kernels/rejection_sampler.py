@@ -52,6 +52,17 @@ class SamplingBatch:
 
 
 @dataclass(frozen=True)
+class DraftBatch:
+    """A step's drafts, flat (the layout in this module's docstring), with their sparse distributions padded to one
+    width: the speculative-decoding half of the step's metadata, as SamplingBatch is the sampling half."""
+
+    token_ids: torch.Tensor  # [num_draft_tokens] int64
+    cu_num_draft_tokens: torch.Tensor  # [batch + 1] int64, starts at 0
+    q_ids: torch.Tensor  # [num_draft_tokens, K] int64, sparse support of q
+    q_probs: torch.Tensor  # [num_draft_tokens, K] float32, 0 on padding
+
+
+@dataclass(frozen=True)
 class Verification:
     num_accepted: torch.Tensor  # [batch] int64
     next_token: torch.Tensor  # [batch] int64, correction after a rejection or bonus after a full accept
@@ -131,15 +142,14 @@ def _exponential(sampling: SamplingBatch, vocab: int, device) -> torch.Tensor:  
 
 def rejection_sample(
     target_logits: torch.Tensor,  # [num_draft_tokens + batch, vocab]
-    draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64
-    cu_num_draft_tokens: torch.Tensor,  # [batch + 1] int64, starts at 0
-    draft_q_ids: torch.Tensor,  # [num_draft_tokens, K] int64, sparse support of q
-    draft_q_probs: torch.Tensor,  # [num_draft_tokens, K] float32, 0 on padding
+    drafts: DraftBatch,
     sampling: SamplingBatch,
     row_argmax: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
 ) -> Verification:
     """row_argmax, where given: a faster way to each row's argmax, -1 for a row that is not finite (the fused CPU
     step's sled_row_argmax: kernels.cpu_step.row_argmax); None from it, or none given, takes PyTorch's."""
+    draft_token_ids, cu_num_draft_tokens = drafts.token_ids, drafts.cu_num_draft_tokens
+    draft_q_ids, draft_q_probs = drafts.q_ids, drafts.q_probs
     device = target_logits.device
     batch = sampling.batch_size
     vocab = target_logits.shape[-1]

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kernels.attention import Segment
-from kernels.rejection_sampler import SamplingBatch
+from kernels.rejection_sampler import DraftBatch, SamplingBatch
 
 from .model_runner import ModelInput
 from .scheduler import Plan, VerifyWork
@@ -26,10 +26,7 @@ class StepBatch:
     plan: Plan
     model_input: ModelInput
     drafts: list[list[int]]  # the draft tokens worth verifying, per verification
-    draft_token_ids: torch.Tensor  # [num_draft] int64
-    cu_num_draft_tokens: torch.Tensor  # [batch + 1] int64
-    q_ids: torch.Tensor  # [num_draft, K] int64, the sparse draft distributions padded once to the widest
-    q_probs: torch.Tensor  # [num_draft, K] float32, 0 on padding
+    spec: DraftBatch  # those drafts flat, their sparse distributions padded once to the widest
     sampling: SamplingBatch
 
     @property
@@ -39,14 +36,14 @@ class StepBatch:
     @classmethod
     def build(cls, plan: Plan, max_seq_len: int, default_gen: torch.Generator | None) -> StepBatch:
         drafts = [clip(w, max_seq_len) for w in plan.verifies]
-        return cls(plan, model_input(plan, drafts), drafts, *draft_tensors(plan.verifies, drafts),
+        return cls(plan, model_input(plan, drafts), drafts, draft_batch(plan.verifies, drafts),
                    sampling_batch(plan.verifies, default_gen))
 
     def subset(self, keep: list[int]) -> StepBatch:
         """The verifications at `keep` alone, for sampling again without the ones whose logits were not finite."""
         plan = Plan([self.plan.verifies[i] for i in keep], [])
         drafts = [self.drafts[i] for i in keep]
-        return StepBatch(plan, self.model_input, drafts, *draft_tensors(plan.verifies, drafts),
+        return StepBatch(plan, self.model_input, drafts, draft_batch(plan.verifies, drafts),
                          sampling_batch(plan.verifies, self.sampling.default))
 
     def logit_rows(self, keep: list[int]) -> torch.Tensor:
@@ -87,9 +84,9 @@ def model_input(plan: Plan, drafts: list[list[int]]) -> ModelInput:
     return ModelInput(as_long(tokens), as_long(positions), as_long(slots), segments, as_long(logit_rows))
 
 
-def draft_tensors(works: list[VerifyWork], drafts: list[list[int]]):
-    """(draft_token_ids, cu_num_draft_tokens, q_ids, q_probs): every clipped draft's sparse q, padded once. A draft
-    without q chose each token with certainty: q = 1 on it."""
+def draft_batch(works: list[VerifyWork], drafts: list[list[int]]) -> DraftBatch:
+    """Every clipped draft, flat, with its sparse q, padded once. A draft without q chose each token with certainty:
+    q = 1 on it."""
     counts, ids, probs = [], [], []
     for work, draft in zip(works, drafts):
         n, q = len(draft), work.draft.q
@@ -113,7 +110,7 @@ def draft_tensors(works: list[VerifyWork], drafts: list[list[int]]):
         q_probs[rows, cols] = np.concatenate(probs)
     cu = np.concatenate([[0], np.cumsum([len(d) for d in drafts])]).astype(np.int64)
     flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
-    return flat, torch.from_numpy(cu), torch.from_numpy(q_ids), torch.from_numpy(q_probs)
+    return DraftBatch(flat, torch.from_numpy(cu), torch.from_numpy(q_ids), torch.from_numpy(q_probs))
 
 
 def sampling_batch(works: list[VerifyWork], default_gen: torch.Generator | None) -> SamplingBatch:

@@ -12,7 +12,7 @@ from sled.v1.limits import MAX_STOP_TOKENS, greedy_temperature
 from sled.verification import RULES
 
 from .auth import Identity
-from .errors import SledError, invalid
+from .errors import invalid
 from .sessions import LENGTH, STOP, DraftRequest, OpenRequest, SamplingParams, Session, SparseQ, Verdict
 from .verification import rule_for
 
@@ -114,8 +114,10 @@ def closed_to_pb(generated: int) -> pb.ServerMessage:
     return pb.ServerMessage(closed=pb.Closed(generated_tokens=generated))
 
 
-def info_to_pb(target_name: str, fingerprint: str, vocab_size: int, context_limit: int, max_draft_tokens: int,
-               max_sessions: int, eos_ids, stats: dict, kernels: dict) -> pb.ServerInfo:
-    return pb.ServerInfo(target_name=target_name, tokenizer_fingerprint=fingerprint, vocab_size=vocab_size,
-                         context_limit=context_limit, max_draft_tokens=max_draft_tokens, max_sessions=max_sessions,
-                         eos_token_ids=list(eos_ids), stats=pb.ServerStats(**stats), **kernels)
+def info_to_pb(engine, config) -> pb.ServerInfo:
+    """GetInfo's answer: the engine's target, limits, counters and kernels under `config`."""
+    return pb.ServerInfo(target_name=engine.target.name, tokenizer_fingerprint=engine.target.fingerprint,
+                         vocab_size=engine.vocab_size, context_limit=config.max_seq_len,
+                         max_draft_tokens=config.max_draft_tokens, max_sessions=config.max_sessions,
+                         eos_token_ids=sorted(engine.eos_ids), stats=pb.ServerStats(**engine.stats()),
+                         **engine.kernels())

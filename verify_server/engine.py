@@ -417,8 +417,7 @@ class Engine:
             part = batch if len(live) == len(results) else batch.subset(live)
             rows = logits if len(live) == len(results) else logits[batch.logit_rows(live)]
             try:
-                ver = rejection_sample(rows, part.draft_token_ids, part.cu_num_draft_tokens, part.q_ids,
-                                       part.q_probs, part.sampling,
+                ver = rejection_sample(rows, part.spec, part.sampling,
                                        row_argmax=row_argmax if self.runner.fused is not None else None)
             except NonFiniteLogitsError as err:
                 bad = {live[j] for j in err.request_indices}

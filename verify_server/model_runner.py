@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.attention import ATTENTION, Segment
-from kernels.cpu_step import CpuStep, CpuStepUnavailable
+from kernels.cpu_step import CpuStep, CpuStepUnavailable, StepModel
 from kernels.linear import LINEAR, resolve_linear
 
 from .kv_cache import KVCache
@@ -318,10 +318,11 @@ class ModelRunner:
                                "o": a.o_proj.weight, "bo": bias(a.o_proj), "gate": m.gate_proj.weight,
                                "up": m.up_proj.weight, "bgate": bias(m.gate_proj), "bup": bias(m.up_proj),
                                "down": m.down_proj.weight, "bdown": bias(m.down_proj)})
-            return CpuStep(layers=layers, norm=self.norm, lm_head=self.lm_head, lm_bias=bias(self.model.lm_head),
-                           k_cache=self.kv.k, v_cache=self.kv.v, cos=self.cos["all"], sin_signed=self.sin_signed["all"],
-                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                           eps=self.eps, scale=self.scale)
+            return CpuStep(StepModel(layers=layers, norm=self.norm, lm_head=self.lm_head,
+                                     lm_bias=bias(self.model.lm_head), k_cache=self.kv.k, v_cache=self.kv.v,
+                                     cos=self.cos["all"], sin_signed=self.sin_signed["all"], num_heads=self.num_heads,
+                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, eps=self.eps,
+                                     scale=self.scale))
         except CpuStepUnavailable as err:
             if mode == "on":
                 raise ValueError(f"fused: on, but the fused CPU step is unavailable: {err}") from err

@@ -196,11 +196,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 return
 
     async def GetInfo(self, request, context):
-        engine = self._engine()
-        cfg = self.config
-        return codec.info_to_pb(engine.target.name, engine.target.fingerprint, engine.vocab_size, cfg.max_seq_len,
-                                cfg.max_draft_tokens, cfg.max_sessions, sorted(engine.eos_ids), engine.stats(),
-                                engine.kernels())
+        return codec.info_to_pb(self._engine(), self.config)
 
 
 class Undecodable:

@@ -22,6 +22,7 @@ BIN = Path(sys.executable).parent
 
 def test_synthesized_drafts_verify_to_the_targets_own_greedy_text(tiny_server, tokenizer):
     from edge_client.generation import generate
+    from edge_client.request import Request
     from edge_client.transport import VerifierClient
     from bench.replay import ReplayDrafter, greedy_outputs, prompts, synthesize_tables
 
@@ -38,9 +39,17 @@ def test_synthesized_drafts_verify_to_the_targets_own_greedy_text(tiny_server, t
     async def sled():
         client = VerifierClient(server.address)
         try:
-            return await asyncio.gather(*[
-                generate(client, ReplayDrafter(t, 0.0, f), tokenizer, i, max_tokens=24,
-                         policy=DraftPolicy(draft_tokens=4, adaptive=False)) for t, f, i in zip(tables, fulls, ids)])
+            return await asyncio.gather(
+                *[
+                    generate(
+                        client,
+                        ReplayDrafter(t, 0.0, f),
+                        tokenizer,
+                        Request(i, max_tokens=24, policy=DraftPolicy(draft_tokens=4, adaptive=False)),
+                    )
+                    for t, f, i in zip(tables, fulls, ids)
+                ]
+            )
         finally:
             await client.close()
 
@@ -256,7 +265,10 @@ def test_sled_bench_system_runs_end_to_end_and_writes_its_section(tmp_path):
                      r"to 48 tokens", text)
     assert "| 1 | sled |" in text and "| 1 | server-only |" in text and "| 1 | device-only |" in text
     assert "capacity (the largest count here with p95 inter-token latency" in text
-    assert sorted(p.name for p in plots.iterdir()) == ["system_p95_inter_token_ms.png", "system_system_tokens_per_s.png"]
+    assert sorted(p.name for p in plots.iterdir()) == [
+        "system_p95_inter_token_ms.png",
+        "system_system_tokens_per_s.png",
+    ]
     assert "(plots/system_p95_inter_token_ms.png)" in text  # linked from the section, relative to it
 
 

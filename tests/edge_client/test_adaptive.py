@@ -113,6 +113,7 @@ def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_r
     import asyncio
 
     from edge_client.generation import generate
+    from edge_client.request import Request
     from tests.edge_client.test_draft_ahead import P_GREEDY, PROMPT, TOKENIZER, FakeClient, TableDrafter, cycle
 
     sent: list[list[int]] = []
@@ -131,8 +132,13 @@ def test_a_controller_kept_by_the_device_carries_what_it_learned_into_the_next_r
 
     async def request(controller):
         sent.append([])
-        await generate(Recording(0, 0.001, max_tokens=12, target=P_GREEDY), TableDrafter(cycle(2, 3, 1, 0)),
-                       TOKENIZER, PROMPT, max_tokens=12, controller=controller, policy=DraftPolicy(draft_ahead=False))
+        await generate(
+            Recording(0, 0.001, max_tokens=12, target=P_GREEDY),
+            TableDrafter(cycle(2, 3, 1, 0)),
+            TOKENIZER,
+            Request(PROMPT, max_tokens=12, policy=DraftPolicy(draft_ahead=False)),
+            controller=controller,
+        )
 
     async def main():
         kept = AdaptiveDraftLength(k_max=8, k_initial=8)
@@ -157,6 +163,7 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
     import threading
 
     from edge_client import generation
+    from edge_client.request import Callbacks, Request
     from edge_client.round import RoundHooks
     from tests.edge_client.test_draft_ahead import (P_GREEDY, PROMPT, TOKENIZER, FakeClient, FakeSession,
                                                     TableDrafter, cycle)
@@ -202,10 +209,16 @@ def test_the_round_trip_ends_when_the_verdict_comes_not_when_the_token_drafted_a
             seen.append(sample)
             super().observe(sample)
 
-    asyncio.run(generation.generate(Client(0, 0.05, max_tokens=8, target=P_GREEDY), TableDrafter(cycle(2, 3, 1, 0)),
-                                    TOKENIZER, PROMPT, max_tokens=8, hooks=Hooks(),
-                                    controller=Watching(k_max=2, k_initial=2, ahead=True),
-                                    policy=DraftPolicy(draft_ahead=True, answer_at_once=False)))
+    asyncio.run(
+        generation.generate(
+            Client(0, 0.05, max_tokens=8, target=P_GREEDY),
+            TableDrafter(cycle(2, 3, 1, 0)),
+            TOKENIZER,
+            Request(PROMPT, max_tokens=8, policy=DraftPolicy(draft_ahead=True, answer_at_once=False)),
+            controller=Watching(k_max=2, k_initial=2, ahead=True),
+            callbacks=Callbacks(hooks=Hooks()),
+        )
+    )
     assert held and all(held)  # tokens were drafted ahead, each in progress when its verdict came
     assert seen and all(s.rtt_s == 0.0 for s in seen), [round(s.rtt_s, 3) for s in seen]
 
@@ -214,6 +227,7 @@ def test_the_controller_learns_the_step_time_and_the_queue_wait_each_verdict_rep
     import asyncio
 
     from edge_client.generation import generate
+    from edge_client.request import Request
     from tests.edge_client.test_draft_ahead import P_GREEDY, PROMPT, TOKENIZER, FakeClient, TableDrafter, cycle
 
     seen: list[RoundSample] = []
@@ -223,8 +237,15 @@ def test_the_controller_learns_the_step_time_and_the_queue_wait_each_verdict_rep
             seen.append(sample)
             super().observe(sample)
 
-    asyncio.run(generate(FakeClient(0, 0.001, max_tokens=8, target=P_GREEDY, queue_ms=6.0), TableDrafter(cycle(2, 3, 1, 0)),
-                         TOKENIZER, PROMPT, max_tokens=8, controller=Watching(k_max=2, k_initial=2)))
+    asyncio.run(
+        generate(
+            FakeClient(0, 0.001, max_tokens=8, target=P_GREEDY, queue_ms=6.0),
+            TableDrafter(cycle(2, 3, 1, 0)),
+            TOKENIZER,
+            Request(PROMPT, max_tokens=8),
+            controller=Watching(k_max=2, k_initial=2),
+        )
+    )
     # The fake server reports a 4 ms step that the draft queued 6 ms for.
     assert seen and all(s.step_s == pytest.approx(0.004) and s.queue_s == pytest.approx(0.006) for s in seen)
 

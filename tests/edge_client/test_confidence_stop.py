@@ -16,6 +16,7 @@ import pytest
 
 from edge_client.adaptive import AdaptiveDraftLength, DraftStop, RoundSample
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from tests.edge_client.test_draft_ahead import (MISSENT, PROMPT, TOKENIZER, FakeClient, Q, TableDrafter,
@@ -165,9 +166,9 @@ async def _sampled_runs(n: int, threshold: float):
     async def one(i):
         ctrl = Forced(threshold, k_max=3, k_initial=3, ahead=True)
         controllers.append(ctrl)
-        return await generate(FakeClient(20_000 + i, 0.003), TableDrafter(), TOKENIZER, PROMPT, max_tokens=12,
-                              sampling=SamplingParams(temperature=1.0, seed=i), controller=ctrl,
-                              policy=DraftPolicy(draft_tokens=3, adaptive=True, max_draft_tokens=3, draft_ahead=True))
+        asked = Request(PROMPT, 12, SamplingParams(temperature=1.0, seed=i),
+                        DraftPolicy(draft_tokens=3, adaptive=True, max_draft_tokens=3, draft_ahead=True))
+        return await generate(FakeClient(20_000 + i, 0.003), TableDrafter(), TOKENIZER, asked, controller=ctrl)
 
     results = []
     for start in range(0, n, 200):
@@ -207,9 +208,19 @@ def test_greedy_drafts_end_at_the_rule_and_the_text_is_the_targets(ahead):
             return session
 
     drafter = TableDrafter(cycle(1, 2, 3, 1))
-    result = asyncio.run(generate(Recording(0, 0.004, max_tokens=30, target=cycle(1, 2, 3, 1)), drafter, TOKENIZER,
-                                  PROMPT, max_tokens=30, controller=Forced(0.4, k_max=6, k_initial=6, ahead=ahead),
-                                  policy=DraftPolicy(draft_tokens=6, adaptive=True, max_draft_tokens=6, draft_ahead=ahead)))
+    result = asyncio.run(
+        generate(
+            Recording(0, 0.004, max_tokens=30, target=cycle(1, 2, 3, 1)),
+            drafter,
+            TOKENIZER,
+            Request(
+                PROMPT,
+                max_tokens=30,
+                policy=DraftPolicy(draft_tokens=6, adaptive=True, max_draft_tokens=6, draft_ahead=ahead),
+            ),
+            controller=Forced(0.4, k_max=6, k_initial=6, ahead=ahead),
+        )
+    )
     want, last = [], PROMPT[-1]
     for _ in range(30):
         last = int(np.argmax(cycle(1, 2, 3, 1)[last]))

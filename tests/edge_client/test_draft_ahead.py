@@ -25,6 +25,7 @@ from edge_client.drafters.base import DrafterOptions, Proposal
 from edge_client.drafters.kv_drafter import KVDrafter
 from edge_client.drafters.stacked import GuessGate, StackedDrafter
 from edge_client.generation import generate
+from edge_client.request import Callbacks, Request
 from edge_client.policy import DraftPolicy
 from edge_client.round import RoundHooks
 from edge_client.sampling import SamplingParams
@@ -183,9 +184,9 @@ async def _runs(n, draft_ahead, seeded, delay=0.003, drafters=None, stacked=Fals
         if drafters is not None:
             drafters.append(drafter)
         sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
-        return await generate(FakeClient(10_000 + i, delay), drafter, TOKENIZER, PROMPT, max_tokens=N_TOKENS,
-                              sampling=sampling,
-                              policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=draft_ahead))
+        policy = DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=draft_ahead)
+        return await generate(FakeClient(10_000 + i, delay), drafter, TOKENIZER,
+                              Request(PROMPT, N_TOKENS, sampling, policy))
 
     results = []
     for start in range(0, n, 200):
@@ -248,8 +249,12 @@ def assert_follows_p(results):
 def test_greedy_hits_continue_and_misses_are_dropped():
     async def main():
         drafter = TableDrafter(Q_GREEDY)
-        result = await generate(FakeClient(0, 0.003, max_tokens=30, target=P_GREEDY), drafter, TOKENIZER, PROMPT,
-                                max_tokens=30, policy=DraftPolicy(draft_tokens=2, adaptive=False))
+        result = await generate(
+            FakeClient(0, 0.003, max_tokens=30, target=P_GREEDY),
+            drafter,
+            TOKENIZER,
+            Request(PROMPT, max_tokens=30, policy=DraftPolicy(draft_tokens=2, adaptive=False)),
+        )
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -295,8 +300,12 @@ def test_tokens_drafted_ahead_are_not_evaluated_again_when_they_go_out(target, k
     contradicts it. Evaluating them again costs a real drafter a batch of work every such round."""
     async def main():
         drafter = TableDrafter(cycle(1, 2, 3, 1))
-        result = await generate(FakeClient(0, 0.004, max_tokens=40, target=target), drafter, TOKENIZER, PROMPT,
-                                max_tokens=40, policy=DraftPolicy(draft_tokens=k, adaptive=False))
+        result = await generate(
+            FakeClient(0, 0.004, max_tokens=40, target=target),
+            drafter,
+            TOKENIZER,
+            Request(PROMPT, max_tokens=40, policy=DraftPolicy(draft_tokens=k, adaptive=False)),
+        )
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -321,8 +330,12 @@ def test_no_token_is_drafted_past_the_request_end(adaptive):
 
     async def main():
         drafter = TableDrafter(table)
-        result = await generate(FakeClient(0, 0.01, max_tokens=10, target=table), drafter, TOKENIZER, PROMPT,
-                                max_tokens=10, policy=DraftPolicy(draft_tokens=8, adaptive=adaptive))
+        result = await generate(
+            FakeClient(0, 0.01, max_tokens=10, target=table),
+            drafter,
+            TOKENIZER,
+            Request(PROMPT, max_tokens=10, policy=DraftPolicy(draft_tokens=8, adaptive=adaptive)),
+        )
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -355,8 +368,12 @@ def test_the_first_draft_is_made_while_the_session_opens():
 
     async def main():
         drafter = Drafter(table)
-        result = await generate(SlowOpen(0, 0.001, max_tokens=20, target=table), drafter, TOKENIZER, PROMPT,
-                                max_tokens=20, policy=DraftPolicy(draft_tokens=4, adaptive=False, draft_ahead=False))
+        result = await generate(
+            SlowOpen(0, 0.001, max_tokens=20, target=table),
+            drafter,
+            TOKENIZER,
+            Request(PROMPT, max_tokens=20, policy=DraftPolicy(draft_tokens=4, adaptive=False, draft_ahead=False)),
+        )
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -375,9 +392,17 @@ def test_a_device_asking_longer_drafts_than_the_server_takes_is_told_and_drafts_
                              (8, [])):
         statuses: list[str] = []
         client = FakeClient(0, 0.001, max_tokens=30, target=table, server_max=server_max)
-        result = asyncio.run(generate(client, TableDrafter(table), TOKENIZER, PROMPT, max_tokens=30,
-                                      on_status=statuses.append,
-                                      policy=DraftPolicy(draft_tokens=6, adaptive=adaptive, max_draft_tokens=6)))
+        result = asyncio.run(
+            generate(
+                client,
+                TableDrafter(table),
+                TOKENIZER,
+                Request(
+                    PROMPT, max_tokens=30, policy=DraftPolicy(draft_tokens=6, adaptive=adaptive, max_draft_tokens=6)
+                ),
+                callbacks=Callbacks(on_status=statuses.append),
+            )
+        )
         assert result.token_ids == greedy_chain(table, 30)
         assert statuses == told
         assert max(client.drafts) == min(server_max, 6)
@@ -394,9 +419,16 @@ def test_a_device_keeping_its_controller_is_told_of_a_servers_limit_once():
     for server_max in (3, 3, 4, 8, 4):
         statuses: list[str] = []
         client = FakeClient(0, 0.001, max_tokens=12, target=table, server_max=server_max)
-        result = asyncio.run(generate(client, TableDrafter(table), TOKENIZER, PROMPT, max_tokens=12,
-                                      on_status=statuses.append, controller=controller,
-                                      policy=DraftPolicy(draft_tokens=6, max_draft_tokens=6)))
+        result = asyncio.run(
+            generate(
+                client,
+                TableDrafter(table),
+                TOKENIZER,
+                Request(PROMPT, max_tokens=12, policy=DraftPolicy(draft_tokens=6, max_draft_tokens=6)),
+                controller=controller,
+                callbacks=Callbacks(on_status=statuses.append),
+            )
+        )
         assert result.token_ids == greedy_chain(table, 12)
         assert max(client.drafts) <= min(server_max, 6)  # the controller picks its K under the bound
         told.append(statuses)
@@ -424,9 +456,13 @@ def test_a_carry_longer_than_the_next_draft_is_not_drafted_again():
 
     async def main():
         drafter = TableDrafter(table)
-        result = await generate(FakeClient(0, 0.004, max_tokens=40, target=table), drafter, TOKENIZER, PROMPT,
-                                max_tokens=40, controller=held_at_two(),
-                                policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
+        result = await generate(
+            FakeClient(0, 0.004, max_tokens=40, target=table),
+            drafter,
+            TOKENIZER,
+            Request(PROMPT, max_tokens=40, policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8)),
+            controller=held_at_two(),
+        )
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -447,10 +483,12 @@ def test_a_carried_spare_keeps_each_tokens_q():
         MISSENT.clear()
         results = []
         for i in range(40):
-            results.append(await generate(FakeClient(500 + i, 0.004, max_tokens=24), TableDrafter(), TOKENIZER,
-                                          PROMPT, max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=i),
-                                          controller=held_at_two(),
-                                          policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8)))
+            asked = Request(PROMPT, 24, SamplingParams(temperature=1.0, seed=i),
+                            DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
+            results.append(
+                await generate(FakeClient(500 + i, 0.004, max_tokens=24), TableDrafter(), TOKENIZER, asked,
+                               controller=held_at_two())
+            )
         return results, list(MISSENT)
 
     results, missent = asyncio.run(main())
@@ -473,8 +511,13 @@ def test_each_round_times_the_reply_to_the_verdict_before_it(mid_token):
     async def main(ahead):
         client, drafter = mid_token(Linked(0, 0.0, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY),
                                     held=lambda round_: 1)
-        return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=16, hooks=client.link,
-                              policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=ahead))
+        return await generate(
+            client,
+            drafter,
+            TOKENIZER,
+            Request(PROMPT, max_tokens=16, policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=ahead)),
+            callbacks=Callbacks(hooks=client.link),
+        )
 
     for ahead in (True, False):
         result = asyncio.run(main(ahead))
@@ -514,8 +557,16 @@ def _slow_cycle_run(hold, queue_ms=0.0, **options):
     async def main():
         drafter = SlowTable(cycle(1, 2, 3, 1), 0.01)
         hold(client, drafter, held=lambda round_: 3)
-        result = await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=40, controller=held_at_two(),
-                                hooks=client.link, policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, **options))
+        result = await generate(
+            client,
+            drafter,
+            TOKENIZER,
+            Request(
+                PROMPT, max_tokens=40, policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, **options)
+            ),
+            controller=held_at_two(),
+            callbacks=Callbacks(hooks=client.link),
+        )
         return drafter, result
 
     drafter, result = asyncio.run(main())
@@ -602,9 +653,18 @@ def test_a_device_answers_at_once_again_once_drafts_sent_at_once_stop_queueing()
             client.went_out_at_once = at_once
 
     async def main():
-        return await generate(client, SlowTable(cycle(1, 2, 3, 1), 0.01), TOKENIZER, PROMPT, max_tokens=120,
-                              controller=held_at_two(), hooks=Sending(),
-                              policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, empty_after_miss=None))
+        return await generate(
+            client,
+            SlowTable(cycle(1, 2, 3, 1), 0.01),
+            TOKENIZER,
+            Request(
+                PROMPT,
+                max_tokens=120,
+                policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8, empty_after_miss=None),
+            ),
+            controller=held_at_two(),
+            callbacks=Callbacks(hooks=Sending()),
+        )
 
     result = asyncio.run(main())
     assert result.token_ids == greedy_chain(cycle(1, 2, 3, 0), 120)
@@ -737,9 +797,9 @@ def test_drafts_answered_at_once_keep_the_target_distribution(seeded, mid_token)
         async def one(i):
             sampling = SamplingParams(temperature=1.0, seed=i if seeded else None)
             client, drafter = mid_token(Linked(20_000 + i, 0.0), SlowTable(Q, 0.0005))
-            return await generate(client, drafter, TOKENIZER, PROMPT, max_tokens=N_TOKENS, sampling=sampling,
-                                  controller=held_at_two(), hooks=client.link,
-                                  policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
+            asked = Request(PROMPT, N_TOKENS, sampling, DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8))
+            return await generate(client, drafter, TOKENIZER, asked, controller=held_at_two(),
+                                  callbacks=Callbacks(hooks=client.link))
 
         results = []
         for start in range(0, 2000, 50):  # a drafting thread held and one finishing at most each: under the workers

@@ -13,6 +13,7 @@ import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
+from edge_client.request import Callbacks, Request
 from edge_client.resilience import Resilience
 from edge_client.policy import DraftPolicy
 from edge_client.transport import VerifierClient, VerifyError
@@ -29,9 +30,14 @@ def _run(resilience: Resilience, max_tokens: int = 8):
     async def go():
         client = VerifierClient(f"127.0.0.1:{free_port()}")
         try:
-            return await generate(client, create_drafter("ngram", DrafterOptions()), TOKENIZER, PROMPT,
-                                  max_tokens=max_tokens, resilience=resilience, on_status=statuses.append,
-                                  policy=DraftPolicy(draft_tokens=3, adaptive=False))
+            return await generate(
+                client,
+                create_drafter("ngram", DrafterOptions()),
+                TOKENIZER,
+                Request(PROMPT, max_tokens=max_tokens, policy=DraftPolicy(draft_tokens=3, adaptive=False)),
+                resilience=resilience,
+                callbacks=Callbacks(on_status=statuses.append),
+            )
         finally:
             await client.close()
 

@@ -11,6 +11,7 @@ import torch
 
 from edge_client.drafters.base import Proposal
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.transport import VerifierClient
 from kernels.attention import Segment
@@ -144,8 +145,12 @@ def test_greedy_through_a_server_and_a_device_equals_transformers_generate(famil
         async def go():
             client = VerifierClient(server.address)
             try:
-                return await generate(client, drafter, tokenizer, PROMPT, max_tokens=24,
-                                      policy=DraftPolicy(draft_tokens=4, adaptive=False))
+                return await generate(
+                    client,
+                    drafter,
+                    tokenizer,
+                    Request(PROMPT, max_tokens=24, policy=DraftPolicy(draft_tokens=4, adaptive=False)),
+                )
             finally:
                 await client.close()
 

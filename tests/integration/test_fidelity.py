@@ -6,6 +6,7 @@ import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient
@@ -19,11 +20,22 @@ async def _generate_all(address, tokenizer, jobs, max_tokens, draft_tokens=4, sa
     client = VerifierClient(address)
     drafters = [create_drafter(name, DrafterOptions(context_size=512, threads=1)) for _, name in jobs]
     try:
-        return await asyncio.gather(*[
-            generate(client, d, tokenizer, ids, max_tokens=max_tokens, sampling=sampling,
-                     policy=DraftPolicy(draft_tokens=draft_tokens, adaptive=adaptive))
-            for (ids, _), d in zip(jobs, drafters)
-        ])
+        return await asyncio.gather(
+            *[
+                generate(
+                    client,
+                    d,
+                    tokenizer,
+                    Request(
+                        ids,
+                        max_tokens=max_tokens,
+                        sampling=sampling,
+                        policy=DraftPolicy(draft_tokens=draft_tokens, adaptive=adaptive),
+                    ),
+                )
+                for (ids, _), d in zip(jobs, drafters)
+            ]
+        )
     finally:
         await client.close()
         for d in drafters:

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from bench.processes import BIN, free_ports
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
+from edge_client.request import Callbacks, Request
 from edge_client.policy import DraftPolicy
 from edge_client.resilience import Resilience
 from edge_client.servers import ServerPool, rendezvous_order
@@ -151,10 +152,19 @@ def test_six_devices_lose_nothing_when_one_of_three_servers_is_killed_and_anothe
             progress[i] += 1
 
         try:
-            return await generate(pools[i], drafter, tokenizer, prompts[i], max_tokens=max_tokens,
-                                  policy=DraftPolicy(draft_tokens=4, adaptive=False),
-                                  resilience=Resilience(wait_deadline_s=120.0, round_timeout_s=20.0),
-                                  on_text=seen, on_status=statuses.append, client_id=f"device-{i}")
+            return await generate(
+                pools[i],
+                drafter,
+                tokenizer,
+                Request(
+                    prompts[i],
+                    max_tokens=max_tokens,
+                    policy=DraftPolicy(draft_tokens=4, adaptive=False),
+                    client_id=f"device-{i}",
+                ),
+                resilience=Resilience(wait_deadline_s=120.0, round_timeout_s=20.0),
+                callbacks=Callbacks(on_text=seen, on_status=statuses.append),
+            )
         finally:
             finished[i] = True
             await pools[i].close()

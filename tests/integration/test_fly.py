@@ -10,6 +10,7 @@ import torch
 from edge_client.transport import VerifierClient
 from edge_client.drafters.base import Proposal
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from verify_server.fly import top3_entropy
@@ -124,8 +125,9 @@ def test_the_device_asks_for_fly_and_counts_what_was_accepted_loosely(make_tiny_
     async def go(policy, sampling=SamplingParams()):
         client = VerifierClient(server.address)
         try:
-            return await generate(client, Scripted(draft), tokenizer, PROMPT, max_tokens=8, policy=policy,
-                                  sampling=sampling)
+            return await generate(
+                client, Scripted(draft), tokenizer, Request(PROMPT, max_tokens=8, sampling=sampling, policy=policy)
+            )
         finally:
             await client.close()
 

@@ -6,6 +6,7 @@ import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.models import default_model_path
 from edge_client.policy import DraftPolicy
 from edge_client.tokenizer import Tokenizer
@@ -35,10 +36,17 @@ def test_mixed_drafters_on_one_server_each_get_the_target_text(make_server, toke
         client = VerifierClient(server.address)
         drafters = {name: create_drafter(kind, opts) for name, (kind, opts) in devices.items()}
         try:
-            results = await asyncio.gather(*[
-                generate(client, drafters[name], tokenizer, prompts[name], max_tokens=40,
-                         policy=DraftPolicy(draft_tokens=4))
-                for name in devices])
+            results = await asyncio.gather(
+                *[
+                    generate(
+                        client,
+                        drafters[name],
+                        tokenizer,
+                        Request(prompts[name], max_tokens=40, policy=DraftPolicy(draft_tokens=4)),
+                    )
+                    for name in devices
+                ]
+            )
         finally:
             await client.close()
             for d in drafters.values():
@@ -62,7 +70,7 @@ def test_a_drafter_with_another_vocabulary_is_refused_naming_both(make_server, t
     async def go():
         client = VerifierClient(server.address)
         try:
-            await generate(client, drafter, tok, tok.encode("Hello"), max_tokens=8)
+            await generate(client, drafter, tok, Request(tok.encode("Hello"), max_tokens=8))
         finally:
             await client.close()
 

@@ -11,9 +11,9 @@ import pytest
 
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import _Generation, generate
+from edge_client.request import Callbacks, Request
 from edge_client.resilience import Resilience
 from edge_client.policy import DraftPolicy
-from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
 from bench.processes import free_port
@@ -104,9 +104,9 @@ def _generate_with_outage(make_server, tokenizer, resilience, restart=False, max
     async def go():
         client = VerifierClient(server.address)
         policy = DraftPolicy(draft_tokens=3, adaptive=False)
-        gen = _Generation(client, drafter, tokenizer, prompt, max_tokens, SamplingParams(), policy,
-                          policy.controller(None), resilience, (), on_text,
-                          None if statuses is None else statuses.append, None, "test")
+        heard = Callbacks(on_text=on_text, on_status=None if statuses is None else statuses.append)
+        gen = _Generation(client, drafter, tokenizer, Request(prompt, max_tokens, policy=policy, client_id="test"),
+                          resilience, policy.controller(None), heard)
         holder["gen"] = gen
         try:
             return await gen.run()
@@ -139,9 +139,14 @@ def test_wait_policy_waits_for_a_server_not_yet_up_and_says_so(make_server, toke
     async def go():
         client = VerifierClient(f"127.0.0.1:{port}")
         try:
-            return await generate(client, drafter, tokenizer, prompt, max_tokens=20,
-                                  resilience=Resilience(wait_deadline_s=120), on_status=statuses.append,
-                                  policy=DraftPolicy(draft_tokens=3))
+            return await generate(
+                client,
+                drafter,
+                tokenizer,
+                Request(prompt, max_tokens=20, policy=DraftPolicy(draft_tokens=3)),
+                resilience=Resilience(wait_deadline_s=120),
+                callbacks=Callbacks(on_status=statuses.append),
+            )
         finally:
             await client.close()
 

@@ -121,6 +121,7 @@ def test_a_draft_to_a_session_the_server_decodes_is_refused_and_others_go_on(tin
 def test_generate_without_a_drafter_reads_the_server_s_stream(tiny_server, tiny, tokenizer):
     from edge_client.drafters import create_drafter
     from edge_client.generation import generate
+    from edge_client.request import Request
     from edge_client.transport import RemoteSession, VerifierClient
 
     ids = tokenizer.encode("The capital of France is")
@@ -138,10 +139,18 @@ def test_generate_without_a_drafter_reads_the_server_s_stream(tiny_server, tiny,
             async with grpc.aio.insecure_channel(tiny_server.address) as channel:
                 want = await drafted_greedy(channel, tiny, ids, 16)
             # the `none` drafter whatever draft_tokens says, and draft_tokens=0 with any drafter
-            a = await generate(client, create_drafter("none"), tokenizer, ids, max_tokens=16,
-                               policy=DraftPolicy(draft_tokens=4))
-            b = await generate(client, create_drafter("ngram"), tokenizer, ids, max_tokens=16,
-                               policy=DraftPolicy(draft_tokens=0))
+            a = await generate(
+                client,
+                create_drafter("none"),
+                tokenizer,
+                Request(ids, max_tokens=16, policy=DraftPolicy(draft_tokens=4)),
+            )
+            b = await generate(
+                client,
+                create_drafter("ngram"),
+                tokenizer,
+                Request(ids, max_tokens=16, policy=DraftPolicy(draft_tokens=0)),
+            )
             return want, a, b
         finally:
             await client.close()
@@ -165,6 +174,7 @@ def test_a_server_without_server_decodes_gets_empty_drafts(tiny_server, tiny, to
     import verify_server.codec as server_codec
     from edge_client.drafters import create_drafter
     from edge_client.generation import generate
+    from edge_client.request import Request
     from edge_client.transport import VerifierClient
 
     real = server_codec.open_from_pb
@@ -178,7 +188,9 @@ def test_a_server_without_server_decodes_gets_empty_drafts(tiny_server, tiny, to
             async with grpc.aio.insecure_channel(tiny_server.address) as channel:
                 want = await drafted_greedy(channel, tiny, ids, 10)
             verifications = tiny_server.engine.stats()["verifications"]
-            got = await asyncio.wait_for(generate(client, create_drafter("none"), tokenizer, ids, max_tokens=10), 60)
+            got = await asyncio.wait_for(
+                generate(client, create_drafter("none"), tokenizer, Request(ids, max_tokens=10)), 60
+            )
             return want, got, tiny_server.engine.stats()["verifications"] - verifications
         finally:
             await client.close()

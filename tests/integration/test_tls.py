@@ -6,6 +6,7 @@ import trustme
 
 from edge_client.drafters import create_drafter
 from edge_client.generation import generate
+from edge_client.request import Request
 from edge_client.resilience import Resilience
 from edge_client.policy import DraftPolicy
 from edge_client.transport import TLS, VerifierClient, VerifyError
@@ -48,10 +49,13 @@ def greedy(address, tokenizer, tls=None, auth_token=None, fallback="fail"):
     async def go():
         client = VerifierClient(address, auth_token, tls=tls)
         try:
-            return await generate(client, create_drafter("ngram"), tokenizer, PROMPT, max_tokens=16,
-                                  resilience=Resilience(fallback=fallback, wait_deadline_s=2.0,
-                                                                        round_timeout_s=5.0),
-                                  policy=DraftPolicy(draft_tokens=4, adaptive=False))
+            return await generate(
+                client,
+                create_drafter("ngram"),
+                tokenizer,
+                Request(PROMPT, max_tokens=16, policy=DraftPolicy(draft_tokens=4, adaptive=False)),
+                resilience=Resilience(fallback=fallback, wait_deadline_s=2.0, round_timeout_s=5.0),
+            )
         finally:
             await client.close()
 

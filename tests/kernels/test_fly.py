@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from kernels.rejection_sampler import SamplingBatch, rejection_sample
+from kernels.rejection_sampler import DraftBatch, SamplingBatch, rejection_sample
 from verify_server.fly import top3_entropy
 from verify_server.verification import Exact, Fly, rule_batch
 
@@ -36,8 +36,7 @@ def verify(draft: list[int], rows: list[torch.Tensor], window: int = 3, threshol
     sampling = SamplingBatch(torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1), (None,),
                              rules=rule_batch([fly(window, threshold)]))
     q_ids = torch.tensor(draft).view(-1, 1)
-    out = rejection_sample(torch.stack(rows), torch.tensor(draft), torch.tensor([0, len(draft)]), q_ids,
-                           torch.ones(len(draft), 1), sampling)
+    out = rejection_sample(torch.stack(rows), DraftBatch(torch.tensor(draft), torch.tensor([0, len(draft)]), q_ids, torch.ones(len(draft), 1)), sampling)
     return int(out.num_accepted[0]), int(out.next_token[0]), int(out.num_loose[0])
 
 
@@ -91,7 +90,7 @@ def test_exact_rows_of_the_batch_stay_exact_beside_a_fly_request():
     sampling = SamplingBatch(torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), (None, None),
                              rules=rule_batch([fly(), Exact({})]))
     q = torch.tensor(draft + draft).view(-1, 1)
-    out = rejection_sample(logits, torch.tensor(draft + draft), torch.tensor([0, 4, 8]), q, torch.ones(8, 1), sampling)
+    out = rejection_sample(logits, DraftBatch(torch.tensor(draft + draft), torch.tensor([0, 4, 8]), q, torch.ones(8, 1)), sampling)
     assert out.num_accepted.tolist() == [4, 0] and out.next_token.tolist() == [10, 6]
     assert out.num_loose.tolist() == [1, 0]
 
@@ -106,7 +105,6 @@ def test_each_session_in_a_step_is_judged_by_its_own_rule_and_parameters():
     sampling = SamplingBatch(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(3), (None,) * 3,
                              rules=rule_batch([fly(2), fly(3), Exact({})]))
     q = torch.tensor(draft * 3).view(-1, 1)
-    out = rejection_sample(torch.stack(rows * 3), torch.tensor(draft * 3), torch.tensor([0, 4, 8, 12]), q,
-                           torch.ones(12, 1), sampling)
+    out = rejection_sample(torch.stack(rows * 3), DraftBatch(torch.tensor(draft * 3), torch.tensor([0, 4, 8, 12]), q, torch.ones(12, 1)), sampling)
     got = list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.num_loose.tolist()))
     assert got == alone + [(1, 6, 0)]

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from kernels.cpu_step import row_argmax
-from kernels.rejection_sampler import NonFiniteLogitsError, SamplingBatch, rejection_sample, target_probs
+from kernels.rejection_sampler import DraftBatch, NonFiniteLogitsError, SamplingBatch, rejection_sample, target_probs
 
 V = 8
 
@@ -44,8 +44,7 @@ def run_greedy(requests: list[tuple[list[int], list[int]]], way=None):
     logits = torch.cat([greedy_logits(a) for _, a in requests])
     cu = torch.tensor([0] + [len(d) for d, _ in requests]).cumsum(0)
     q_ids, q_probs = one_hot_q(drafts)
-    out = rejection_sample(logits, torch.tensor(drafts, dtype=torch.long), cu, q_ids, q_probs,
-                           batch([0.0] * len(requests)), row_argmax=way)
+    out = rejection_sample(logits, DraftBatch(torch.tensor(drafts, dtype=torch.long), cu, q_ids, q_probs), batch([0.0] * len(requests)), row_argmax=way)
     return out.num_accepted.tolist(), out.next_token.tolist()
 
 
@@ -78,20 +77,17 @@ def test_nan_or_inf_logits_raise_naming_the_request(way):
     logits = torch.cat([greedy_logits([1, 2]), greedy_logits([3])])
     logits[2, 0] = float("nan")
     with pytest.raises(NonFiniteLogitsError) as err:
-        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]),
-                         batch([0.0, 0.0]), row_argmax=way)
+        rejection_sample(logits, DraftBatch(torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1])), batch([0.0, 0.0]), row_argmax=way)
     assert err.value.request_indices == [1]
     logits[2, 0] = 0.0
     logits[0, 3] = float("inf")
     with pytest.raises(NonFiniteLogitsError) as err:
-        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]),
-                         batch([1.0, 1.0]), row_argmax=way)
+        rejection_sample(logits, DraftBatch(torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1])), batch([1.0, 1.0]), row_argmax=way)
     assert err.value.request_indices == [0]
     logits[0, 3] = 0.0
     logits[2, V - 1] = float("-inf")  # the last column, where a reduction's tail is handled apart
     with pytest.raises(NonFiniteLogitsError) as err:
-        rejection_sample(logits, torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1]),
-                         batch([0.0, 0.0]), row_argmax=way)
+        rejection_sample(logits, DraftBatch(torch.tensor([1]), torch.tensor([0, 1, 1]), *one_hot_q([1])), batch([0.0, 0.0]), row_argmax=way)
     assert err.value.request_indices == [1]
 
 
@@ -102,7 +98,7 @@ def test_draft_token_outside_q_support_is_rejected():
     q_ids = torch.tensor([[0, 1]])
     q_probs = torch.tensor([[0.5, 0.5]])
     for seed in range(50):
-        out = rejection_sample(logits, torch.tensor([2]), torch.tensor([0, 1]), q_ids, q_probs, batch([1.0], seed=seed))
+        out = rejection_sample(logits, DraftBatch(torch.tensor([2]), torch.tensor([0, 1]), q_ids, q_probs), batch([1.0], seed=seed))
         assert out.num_accepted.tolist() == [0]
 
 
@@ -113,7 +109,7 @@ def test_zero_residual_falls_back_to_target():
     q_probs = torch.full((1, V), 2.0 / V)
     nexts = []
     for seed in range(400):
-        out = rejection_sample(logits, torch.tensor([0]), torch.tensor([0, 1]), q_ids, q_probs, batch([1.0], seed=seed))
+        out = rejection_sample(logits, DraftBatch(torch.tensor([0]), torch.tensor([0, 1]), q_ids, q_probs), batch([1.0], seed=seed))
         if out.num_accepted.item() == 0:
             nexts.append(out.next_token.item())
     assert 100 < len(nexts) < 300  # accepted with probability p/q = 1/2
@@ -131,7 +127,7 @@ def test_acceptance_follows_ratio_not_a_constant_draw():
     q_ids = torch.tensor([[0, 1]]).repeat(2 * n, 1)
     q_probs = torch.tensor([[2 * p0, 1 - 2 * p0]]).repeat(2 * n, 1)
     cu = torch.arange(0, 2 * n + 1, 2)
-    out = rejection_sample(logits, drafts, cu, q_ids, q_probs, batch([1.0] * n, seed=7))
+    out = rejection_sample(logits, DraftBatch(drafts, cu, q_ids, q_probs), batch([1.0] * n, seed=7))
     acc = out.num_accepted
     first = (acc >= 1).float().mean().item()
     both = (acc == 2).float().mean().item()
@@ -147,8 +143,7 @@ def test_seeded_generators_reproduce_and_differ():
 
     def once(seed):
         gen = torch.Generator().manual_seed(seed)
-        out = rejection_sample(logits, drafts, torch.tensor([0, 4]), q_ids, q_probs,
-                               batch([1.0], generators=[gen], seed=999))
+        out = rejection_sample(logits, DraftBatch(drafts, torch.tensor([0, 4]), q_ids, q_probs), batch([1.0], generators=[gen], seed=999))
         return out.num_accepted.item(), out.next_token.item()
 
     runs = {seed: once(seed) for seed in range(30)}
@@ -208,8 +203,7 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
 
     logits = rows.repeat(n, 1)  # [n * (k + 1), V]
     cu = torch.arange(0, n * k + 1, k)
-    out = rejection_sample(logits, drafts.reshape(-1), cu, q_ids.repeat(n, 1), q_probs.repeat(n, 1),
-                           batch([temperature] * n, [top_k] * n, [top_p] * n, seed=5))
+    out = rejection_sample(logits, DraftBatch(drafts.reshape(-1), cu, q_ids.repeat(n, 1), q_probs.repeat(n, 1)), batch([temperature] * n, [top_k] * n, [top_p] * n, seed=5))
     acc, nxt = out.num_accepted, out.next_token
     p = target_probs(rows, torch.full((k + 1,), temperature), torch.full((k + 1,), top_k), torch.full((k + 1,), top_p))
 

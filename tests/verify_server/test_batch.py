@@ -35,10 +35,10 @@ def test_the_batch_lays_out_prefill_then_verifications_and_pads_q_once():
     assert b.model_input.positions.tolist() == [1, 2, 3, 1, 2, 3, 0, 1, 2, 3]
     assert b.model_input.slots.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
     assert b.model_input.logit_rows.tolist() == [3, 4, 5, 6, 7, 8, 9]
-    assert b.draft_token_ids.tolist() == [20, 21, 30, 31, 32] and b.cu_num_draft_tokens.tolist() == [0, 2, 5]
+    assert b.spec.token_ids.tolist() == [20, 21, 30, 31, 32] and b.spec.cu_num_draft_tokens.tolist() == [0, 2, 5]
     # one padding, to the widest distribution of the step (3); a deterministic draft is q = 1 on its token
-    assert b.q_ids.tolist() == [[20, 0, 0], [21, 0, 0], [30, 33, 0], [31, 0, 0], [32, 34, 35]]
-    assert torch.allclose(b.q_probs, torch.tensor([[1, 0, 0], [1, 0, 0], [0.5, 0.5, 0], [1, 0, 0], [0.2, 0.3, 0.5]]))
+    assert b.spec.q_ids.tolist() == [[20, 0, 0], [21, 0, 0], [30, 33, 0], [31, 0, 0], [32, 34, 35]]
+    assert torch.allclose(b.spec.q_probs, torch.tensor([[1, 0, 0], [1, 0, 0], [0.5, 0.5, 0], [1, 0, 0], [0.2, 0.3, 0.5]]))
     assert b.sampling.temperature.tolist() == pytest.approx([0.0, 0.8])
 
 
@@ -50,8 +50,8 @@ def test_a_draft_is_clipped_to_what_its_session_can_take_with_its_q():
                  VerifyWork(full, DraftRequest(0, (5, 6, 7)), None)], [])
     b = StepBatch.build(plan, max_seq_len=16, default_gen=None)
     assert b.drafts == [[5, 6], [5]]
-    assert b.q_ids.tolist() == [[5, 0], [6, 9], [5, 0]]
+    assert b.spec.q_ids.tolist() == [[5, 0], [6, 9], [5, 0]]
     # the subset left after a session's logits were not finite: its own rows, its own q
     part = b.subset([1])
-    assert part.drafts == [[5]] and part.cu_num_draft_tokens.tolist() == [0, 1] and part.q_ids.tolist() == [[5]]
+    assert part.drafts == [[5]] and part.spec.cu_num_draft_tokens.tolist() == [0, 1] and part.spec.q_ids.tolist() == [[5]]
     assert b.logit_rows([1]).tolist() == [3, 4]  # after the first verification's 3 rows
