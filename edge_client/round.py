@@ -14,11 +14,15 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .adaptive import RoundSample
 from .drafters.base import Drafter, Proposal
 from .policy import DraftLength, DraftPolicy
 from .result import GenerationResult
+
+if TYPE_CHECKING:
+    from .codec import Verdict
 
 
 class RoundRules:
@@ -148,7 +152,7 @@ class Round:
         await opening  # a failed open raises here, and the draft is dropped
         self.carry = early
 
-    async def play(self, send: Callable[[Proposal], Awaitable]) -> tuple:
+    async def play(self, send: Callable[[Proposal], Awaitable[Verdict]]) -> tuple[Verdict, list[int]]:
         """One round: draft, `send` the draft (it returns the verdict), draft ahead while it is verified, answer the
         verdict. Returns the verdict and the tokens it commits (not committed yet: `commit`). What `send` raises is
         raised, with nothing drafted ahead kept."""

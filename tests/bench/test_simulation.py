@@ -1,5 +1,6 @@
-"""make simulate's plan of the compose services (bench.simulation), without running them (no model needed)."""
+"""make simulate's plan of the compose services (scripts/simulate.py), without running them (no model needed)."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -7,9 +8,11 @@ from pathlib import Path
 import pytest
 
 import bench.processes as ports
-import bench.simulation as simulate
 
 ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("simulate", ROOT / "scripts" / "simulate.py")
+simulate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(simulate)
 
 
 def test_the_services_get_distinct_ports_though_the_kernel_reuses_a_released_one(monkeypatch):
