@@ -41,10 +41,13 @@ class Verdict:
     n_loose: int = 0  # of n_accepted, accepted by a loose rule
 
 
-def open_message(request: Request, context: list[int], max_tokens: int, sampling: SamplingParams, fingerprint: str,
-                 auth_token: str = "") -> pb.ClientMessage:
-    """The request's Open: its `context` so far, `max_tokens` still to generate, with `sampling` (a reopen's seed
-    moves on); the rule it asks for, or the server's default."""
+def open_message(request: Request, fingerprint: str, auth_token: str = "", *, context: list[int] | None = None,
+                 max_tokens: int | None = None, sampling: SamplingParams | None = None) -> pb.ClientMessage:
+    """The request's Open, with the rule it asks for (or the server's default). A reopen gives its `context` so far,
+    the `max_tokens` still to generate and its `sampling` (whose seed moves on); a first open takes the request's."""
+    context = list(request.prompt_token_ids) if context is None else context
+    max_tokens = request.max_tokens if max_tokens is None else max_tokens
+    sampling = request.sampling if sampling is None else sampling
     sp = pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if sampling.seed is not None:
         sp.seed = sampling.seed

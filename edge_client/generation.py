@@ -69,8 +69,9 @@ class _Generation:
             # A reopened server session must not replay the random draws it already used.
             sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
                                       (sampling.seed + 1_000_003 * self.opens) % 2**63)
-        msg = codec.open_message(self.request, self.context, self.max_tokens - len(self.result.token_ids), sampling,
-                                 self.tokenizer.fingerprint, self.client.auth_token or "")
+        msg = codec.open_message(self.request, self.tokenizer.fingerprint, self.client.auth_token or "",
+                                 context=self.context, max_tokens=self.max_tokens - len(self.result.token_ids),
+                                 sampling=sampling)
         self.session = await self.client.open(msg, timeout=self.outage.open_timeout(),
                                               wait_for_ready=self.outage.waits_for_ready)
         if self.opens:

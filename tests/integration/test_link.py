@@ -46,7 +46,7 @@ def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_
     import grpc
 
     from edge_client import codec
-    from edge_client.sampling import SamplingParams
+    from edge_client.request import Request
     from edge_client.transport import VerifierClient
 
     server = make_server()
@@ -57,8 +57,8 @@ def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_
         client = VerifierClient(f"127.0.0.1:{link.port}")
         try:
             t0 = time.perf_counter()
-            session = await client.open(codec.open_message(tokenizer.encode("The capital of France is"),
-                                                           SamplingParams(), 4, tokenizer.fingerprint))
+            asked = Request(tokenizer.encode("The capital of France is"), 4)
+            session = await client.open(codec.open_message(asked, tokenizer.fingerprint))
             opened = time.perf_counter() - t0
             t0 = time.perf_counter()
             await session.close()
@@ -86,7 +86,7 @@ def test_a_closed_session_whose_server_does_not_answer_in_time_is_cancelled_and_
     import grpc
 
     from edge_client import codec, transport
-    from edge_client.sampling import SamplingParams
+    from edge_client.request import Request
 
     monkeypatch.setattr(transport, "DRAIN_TIMEOUT_S", 0.2)
     server = make_server()
@@ -96,7 +96,7 @@ def test_a_closed_session_whose_server_does_not_answer_in_time_is_cancelled_and_
     async def closed_late() -> tuple[object, float]:
         slow, quick = transport.VerifierClient(f"127.0.0.1:{link.port}"), None
         try:
-            msg = codec.open_message(tokenizer.encode("Water boils at"), SamplingParams(), 4, tokenizer.fingerprint)
+            msg = codec.open_message(Request(tokenizer.encode("Water boils at"), 4), tokenizer.fingerprint)
             session = await slow.open(msg)
             await session.close()
             await asyncio.sleep(0.5)  # past the drain's 0.2 s, before the Closed could come

@@ -17,6 +17,7 @@ import torch
 from bench.processes import BIN, free_port
 from edge_client import codec
 from edge_client.drafters.base import Proposal
+from edge_client.request import Request
 from edge_client.sampling import SamplingParams
 from edge_client.transport import VerifierClient, VerifyError
 
@@ -50,7 +51,7 @@ async def session_verdicts(address: str, fingerprint: str, sampling: SamplingPar
     """Open a session and send `drafts(committed)` each round until it finishes: every verdict's (accepted, next)."""
     client = VerifierClient(address)
     try:
-        session = await client.open(codec.open_message(PROMPT, sampling, 24, fingerprint), timeout=60)
+        session = await client.open(codec.open_message(Request(PROMPT, 24, sampling), fingerprint), timeout=60)
         committed, out = [], []
         for round_ in range(40):
             proposal = drafts(committed)
