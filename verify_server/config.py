@@ -169,7 +169,8 @@ class ServerConfig:
     def _check_verification(self) -> None:
         for field_, items in (("verification_params", self.verification_params),
                               ("refuse_verification", self.refuse_verification)):
-            if items is not None and (not isinstance(items, (list, tuple)) or any(not isinstance(x, str) for x in items)):
+            listed = isinstance(items, (list, tuple)) and all(isinstance(x, str) for x in items)
+            if items is not None and not listed:
                 raise ValueError(f"{field_} must be a list of strings, got {items!r}")
         default = Verification.parse(self.verification)
         for name in self.refuse_verification or ():
