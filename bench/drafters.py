@@ -31,7 +31,7 @@ from edge_client.transport import VerifierClient
 
 from .cli import at_least, positive
 from .processes import ServerProcess
-from .report import machine, publish
+from .report import device_summary, machine, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## Drafters: acceptance on repetitive, edit and free text"
@@ -90,18 +90,13 @@ async def run_set(address, tokenizer, drafter, prompts, max_tokens, k, adaptive=
         await client.close()
     copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
     walks = [guess_walk(r.prompt_token_ids, r.token_ids, k - 1) for r in rows]
-    drafted = sum(r.draft_tokens for r in rows)
-    accepted = sum(r.accepted_tokens for r in rows)
-    rounds = sum(r.rounds for r in rows)
-    tokens = sum(len(r.token_ids) for r in rows)
+    s = device_summary(rows)
     checks = {"checks": drafter.checks, "guessed": drafter.guessed, "kept": drafter.kept} if hasattr(
         drafter, "checks") else {}  # a stacked drafter's lifetime counts: this set's, as it serves one set
-    return checks | {"copied": copied / tokens if tokens else 0.0, "tokens": tokens,
-            "walk_kept": sum(w[0] for w in walks), "walk_checks": sum(w[1] for w in walks),
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
-            "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
-            "tokens_per_s": tokens / sum(r.elapsed_s for r in rows)}
+    return checks | {"copied": copied / s["tokens"] if s["tokens"] else 0.0, "tokens": s["tokens"],
+                     "walk_kept": sum(w[0] for w in walks), "walk_checks": sum(w[1] for w in walks),
+                     **{key: s[key] for key in ("acceptance_rate", "mean_acceptance_length",
+                                                "draft_tokens_per_round", "tokens_per_s")}}
 
 
 def copied_tokens(prompt: list[int], answer: list[int]) -> int:

@@ -26,7 +26,7 @@ from edge_client.workload import QUESTIONS
 
 from .cli import counts_arg, positive
 from .processes import ServerProcess
-from .report import machine, publish
+from .report import device_summary, machine, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## First figures: SLED vs server-only on the real model pair"
@@ -81,18 +81,16 @@ async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int,
     await client.close()
     for d in drafters:
         d.close()
-    tokens = sum(len(r.token_ids) for r in results)
-    draft = sum(r.draft_tokens for r in results)
-    accepted = sum(r.accepted_tokens for r in results)
-    rounds = sum(r.rounds for r in results)
+    s = device_summary(results)
+    tokens = s["tokens"]
     steps = after.stats.steps - before.stats.steps
     verifications = after.stats.verifications - before.stats.verifications
     return {
         "drafter": drafter, "sessions": n, "tokens": tokens, "wall_s": wall,
         "system_tokens_per_s": tokens / wall,
         "per_session_tokens_per_s": sum(r.tokens_per_second for r in results) / n,
-        "acceptance_rate": accepted / draft if draft else 0.0,
-        "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
+        "acceptance_rate": s["acceptance_rate"],
+        "mean_acceptance_length": s["mean_acceptance_length"],
         "server_steps": steps,
         "mean_batch_sessions": verifications / steps if steps else 0.0,
     }

@@ -16,7 +16,7 @@ from edge_client.request import Callbacks, Request
 from edge_client.policy import DraftPolicy
 from edge_client.transport import VerifierClient
 
-from .report import cpu_counters, stolen_share
+from .report import cpu_counters, device_summary, stolen_share
 
 
 class Timeline:
@@ -191,7 +191,8 @@ def summarize(mode, n, w: Window):
     rounds = [x for dev in w.rounds for x in dev]
     itl = np.concatenate([np.repeat(t / max(tok, 1), tok) for _, tok, t in rounds]) if rounds else np.zeros(1)
     per_device = [sum(tok for _, tok, _ in dev) / w.seconds for dev in w.rounds]
-    drafted = sum(r.draft_tokens for r in w.results)
+    s = device_summary(w.results)
+    drafted = s["drafted"]
     before, after = w.before, w.after
     steps = after.steps - before.steps
     hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
@@ -203,8 +204,8 @@ def summarize(mode, n, w: Window):
         "per_device_tokens_per_s": float(np.mean(per_device)),
         "p50_inter_token_ms": float(np.percentile(itl, 50) * 1000),
         "p95_inter_token_ms": float(np.percentile(itl, 95) * 1000),
-        "acceptance_rate": sum(r.accepted_tokens for r in w.results) / drafted if drafted else 0.0,
-        "mean_draft_tokens": drafted / max(sum(r.rounds for r in w.results), 1),
+        "acceptance_rate": s["acceptance_rate"],
+        "mean_draft_tokens": s["draft_tokens_per_round"],
         "drafted_ahead_share": sum(r.ahead_tokens for r in w.results) / drafted if drafted else 0.0,
         "requests": len(w.results),
         "server_step_ms": (after.step_seconds_total - before.step_seconds_total) / steps * 1000 if steps else 0.0,
