@@ -30,8 +30,8 @@ class NonFiniteLogitsError(ValueError):
 class ExactOnly:
     """Every request verified exactly: nothing accepted beyond the exact rule (a LooseRules)."""
 
-    def loose(self, drafts: DraftRows, exact: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(exact)
+    def apply(self, drafts: DraftRows, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return accepted, torch.zeros(accepted.shape[0], dtype=torch.long, device=accepted.device)
 
 
 EXACT = ExactOnly()
@@ -86,8 +86,9 @@ class DraftRows:
 class LooseRules(Protocol):
     """The rules of a step's requests, as the sampler asks them (verify_server.verification.RuleBatch)."""
 
-    def loose(self, drafts: DraftRows, exact: torch.Tensor) -> torch.Tensor:
-        """[batch, max_k] bool: the draft tokens accepted beyond `exact` ([batch, max_k] bool, the exact rule's)."""
+    def apply(self, drafts: DraftRows, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`accepted` ([batch, max_k] int64, the exact rule's per draft token) with what the rules accept beyond it,
+        and per request how many of its accepted prefix they added ([batch] int64)."""
 
 
 def target_probs(
@@ -201,12 +202,8 @@ def rejection_sample(
     max_k = int(num_draft.max()) if batch else 0
     accepted = torch.zeros(batch, max_k, dtype=torch.long, device=device)
     accepted[draft_req, pos_in_req] = accept.long()
-    num_loose = torch.zeros(batch, dtype=torch.long, device=device)
-    if max_k:
-        drafts = DraftRows(target_logits, x, draft_rows, draft_req, pos_in_req, num_draft, greedy)
-        loose = sampling.rules.loose(drafts, accepted.bool()).long()
-        accepted = accepted | loose
-        num_loose = (accepted.cumprod(dim=-1) * loose).sum(dim=-1)
+    drafts = DraftRows(target_logits, x, draft_rows, draft_req, pos_in_req, num_draft, greedy)
+    accepted, num_loose = sampling.rules.apply(drafts, accepted)
     num_accepted = accepted.cumprod(dim=-1).sum(dim=-1) if max_k else torch.zeros(batch, dtype=torch.long, device=device)
 
     # The row right after the accepted prefix judges the first rejection, or is the bonus row.

@@ -75,11 +75,15 @@ class RuleBatch:
         self.groups = [(kind, torch.tensor(at, dtype=torch.long), [rules[i] for i in at])
                        for kind, at in groups.items()]
 
-    def loose(self, drafts: DraftRows, exact: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(exact)
+    def apply(self, drafts: DraftRows, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not accepted.shape[1]:  # no draft tokens in the step: nothing to accept
+            return EXACT.apply(drafts, accepted)
+        exact = accepted.bool()
+        loose = torch.zeros_like(exact)
         for kind, members, rules in self.groups:
-            out |= kind.loose(drafts, exact, members.to(exact.device), rules)
-        return out
+            loose |= kind.loose(drafts, exact, members.to(exact.device), rules)
+        accepted = accepted | loose.long()
+        return accepted, (accepted.cumprod(dim=-1) * loose.long()).sum(dim=-1)
 
 
 def rule_batch(rules: Sequence) -> LooseRules:

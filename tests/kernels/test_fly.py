@@ -108,3 +108,15 @@ def test_each_session_in_a_step_is_judged_by_its_own_rule_and_parameters():
     out = rejection_sample(torch.stack(rows * 3), DraftBatch(torch.tensor(draft * 3), torch.tensor([0, 4, 8, 12]), q, torch.ones(12, 1)), sampling)
     got = list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.num_loose.tolist()))
     assert got == alone + [(1, 6, 0)]
+
+
+def test_a_step_without_draft_tokens_gives_each_fly_session_the_target_s_token():
+    """Sessions the server decodes send no drafts: a step of them has no draft tokens, and FLy has nothing to judge."""
+    rows = [row(4), row(9)]
+    sampling = SamplingBatch(torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), (None, None),
+                             rules=rule_batch([fly(), Exact({})]))
+    empty = DraftBatch(torch.zeros(0, dtype=torch.long), torch.tensor([0, 0, 0]), torch.zeros(0, 1, dtype=torch.long),
+                       torch.zeros(0, 1))
+    out = rejection_sample(torch.stack(rows), empty, sampling)
+    assert out.num_accepted.tolist() == [0, 0] and out.next_token.tolist() == [4, 9]
+    assert out.num_loose.tolist() == [0, 0]
