@@ -104,8 +104,9 @@ class DraftPolicy:
 
     def check(self, sampling: SamplingParams) -> None:
         """This policy's preconditions for a request: ValueError where its verification rule cannot apply."""
-        if self.rule is not None:
-            self.rule.check(sampling.greedy)
+        rule = self.rule
+        if rule is not None:
+            rule.check(sampling.greedy)
 
     @property
     def drafts(self) -> bool:

@@ -160,7 +160,7 @@ class Round:
         t_round = clock()
         self._drafting = [0.0, 0]
         proposal, spare = await self._draft(self.rules.draft_length(self.room))
-        prompt = self.prompt
+        prompt = self._prompt  # whether it goes out at once when its verdict came (RoundSample.prompt)
         self.hooks.sending(prompt)
         t_sent, came = clock(), []
 
@@ -230,11 +230,6 @@ class Round:
             return ahead
         self.drafter.accept(self.context)
         return None
-
-    @property
-    def prompt(self) -> bool:
-        """Whether the draft out now went out at once when its verdict came (RoundSample.prompt)."""
-        return self._prompt
 
     async def _propose(self, context: list[int], k: int, stop=None) -> Proposal:
         """The drafter's next k tokens, timed into this round's drafting."""
