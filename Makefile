@@ -56,7 +56,7 @@ demo: install
 	$(PY) scripts/demo.py
 
 simulate: install
-	$(PY) scripts/simulate.py $(if $(PROFILE),--profile $(PROFILE))
+	$(PY) -m sim.compose $(if $(PROFILE),--profile $(PROFILE))
 
 bench: install
 	$(VENV)/bin/sled-bench first

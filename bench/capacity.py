@@ -25,8 +25,9 @@ from edge_client.policy import DraftPolicy
 from edge_client.transport import fetch_info
 
 from .load import run_window, summarize
-from .replay import K_MAX, DraftClock, ReplayDrafter, prefill_tokens, prompts
+from .replay import K_MAX, DraftClock, ReplayDrafter, prefill_tokens
 from .report import gpu_name, publish
+from .runner import prompts
 from .system import Drafting, describe_run, measure_drafting, ratio, replayed
 
 MODES = {"sled": DraftPolicy(adaptive=True, max_draft_tokens=K_MAX), "server-only": None}
@@ -77,7 +78,7 @@ def _say(message: str) -> None:
 
 def sweep(args, tokenizer, ids, drafting: Drafting, log=_say) -> tuple[list[dict], list[dict], object]:
     """Every count while any mode still meets the target; returns the rows, each mode's capacity, the server's Info."""
-    from .processes import ServerProcess
+    from sim.processes import ServerProcess
 
     rows, bounds, reached, info = [], {}, {}, None
     drafts = None

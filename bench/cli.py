@@ -1,4 +1,5 @@
-"""sled-bench: SLED's benchmarks. `sled-bench` lists them; `sled-bench NAME --help` tells what one measures."""
+"""sled-bench: SLED's benchmarks and stress checks. `sled-bench` lists them; `sled-bench NAME --help` tells what
+one measures or checks."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ COMMANDS = {
     "gpu-step": ("bench.gpu_step", "the target's step on a GPU: per-segment attention against one padded call"),
     "sim-rounds": ("bench.sim_rounds", "a discrete-event model of devices and one server: the adaptive K against "
                                        "fixed K"),
-    "soak": ("bench.soak", "64 devices for a while against a server that is killed, restarted and sent garbage: "
+    "soak": ("stress.soak", "64 devices for a while against a server that is killed, restarted and sent garbage: "
                            "sessions served, tokens lost, slots leaked, memory growth"),
-    "fuzz": ("bench.fuzz", "random message sequences, cancelled at random points, against a real server: no "
+    "fuzz": ("stress.fuzz", "random message sequences, cancelled at random points, against a real server: no "
                            "INTERNAL or UNKNOWN, no hang, every slot free after"),
     "fairness": ("bench.fairness", "a light device's round time alone and beside devices sending long prompts"),
     "fly": ("bench.fly", "FLy's loose verification against exact on HumanEval: acceptance length, speed, accuracy"),
@@ -68,8 +69,13 @@ def at_least(floor: float):
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
-    return "usage: sled-bench NAME [options]   (sled-bench NAME --help for one)\n\nbenchmarks:\n" + "\n".join(lines)
+
+    def listed(package: str) -> str:
+        return "\n".join(f"  {name:<{width}}  {what}" for name, (module, what) in COMMANDS.items()
+                         if module.startswith(package + "."))
+
+    return ("usage: sled-bench NAME [options]   (sled-bench NAME --help for one)\n\nbenchmarks:\n" + listed("bench")
+            + "\n\nstress checks (pass or fail):\n" + listed("stress"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,6 @@ the run of median speed is shown. Writes its section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import subprocess
@@ -23,15 +22,14 @@ from pathlib import Path
 
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.drafters.ngram import lookup
-from edge_client.generation import generate
 from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.tokenizer import Tokenizer
-from edge_client.transport import VerifierClient
 
 from .cli import at_least, positive
-from .processes import ServerProcess
-from .report import device_summary, machine, publish
+from sim.processes import ServerProcess
+from .report import machine, publish
+from .runner import Job, chat, run, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## Drafters: acceptance on repetitive, edit and free text"
@@ -78,19 +76,14 @@ def policy(k: int, adaptive: bool) -> DraftPolicy:
     return DraftPolicy(draft_tokens=k, adaptive=adaptive, max_draft_tokens=k)
 
 
-async def run_set(address, tokenizer, drafter, prompts, max_tokens, k, adaptive=False):
-    client = VerifierClient(address)
-    rows = []
-    try:
-        for p in prompts:
-            ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": p}]))
-            request = Request(ids, max_tokens=max_tokens, policy=policy(k, adaptive))
-            rows.append(await generate(client, drafter, tokenizer, request))
-    finally:
-        await client.close()
+def run_set(address, tokenizer, drafter, texts, max_tokens, k, adaptive=False):
+    """One device through a set's prompts in turn, with one drafter: its summary, and what the answers copy."""
+    jobs = [Job(drafter, Request(ids, max_tokens=max_tokens, policy=policy(k, adaptive)))
+            for ids in chat(tokenizer, texts)]
+    rows = run(address, tokenizer, jobs, together=False).results
     copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
     walks = [guess_walk(r.prompt_token_ids, r.token_ids, k - 1) for r in rows]
-    s = device_summary(rows)
+    s = summary(rows)
     checks = {"checks": drafter.checks, "guessed": drafter.guessed, "kept": drafter.kept} if hasattr(
         drafter, "checks") else {}  # a stacked drafter's lifetime counts: this set's, as it serves one set
     return checks | {"copied": copied / s["tokens"] if s["tokens"] else 0.0, "tokens": s["tokens"],
@@ -309,8 +302,8 @@ def main(args) -> int:
                         d = create_drafter(kind, opts)
                         paced = d if args.device_pace == 1.0 else Paced(d, args.device_pace)
                         try:
-                            row = asyncio.run(run_set(address, tokenizer, paced, prompts, args.max_tokens,
-                                                      args.draft_tokens, args.adaptive))
+                            row = run_set(address, tokenizer, paced, prompts, args.max_tokens, args.draft_tokens,
+                                          args.adaptive)
                         finally:
                             d.close()
                         runs.setdefault((name, label), []).append(row)

@@ -218,7 +218,7 @@ def section(args, rows: list[dict]) -> str:
 
 
 def main(args) -> int:
-    from bench.processes import ServerProcess
+    from sim.processes import ServerProcess
     from bench.report import publish
     from bench.tokenizers import device_tokenizer
 

@@ -8,25 +8,21 @@ side in one run, so the ratio is what counts on a shared, noisy machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from edge_client.drafters import DrafterOptions, create_drafter
-from edge_client.generation import generate
 from edge_client.request import Request
 from edge_client.policy import DraftPolicy
 from edge_client.sampling import SamplingParams
 from edge_client.tokenizer import Tokenizer
-from edge_client.transport import VerifierClient
-from edge_client.workload import QUESTIONS
 
 from .cli import counts_arg, positive
-from .processes import ServerProcess
-from .report import device_summary, machine, publish
+from sim.processes import ServerProcess
+from .report import machine, publish
+from .runner import Job, prompts, run
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## First figures: SLED vs server-only on the real model pair"
@@ -60,40 +56,22 @@ def drafter_threads(n: int) -> int:
     return max(1, (os.cpu_count() or 1) // n)
 
 
-async def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int, max_tokens: int, k: int,
-                       temperature: float, draft_ahead: bool = False) -> dict:
-    client = VerifierClient(address)
+def run_sessions(address: str, tokenizer: Tokenizer, drafter: str, n: int, max_tokens: int, k: int,
+                 temperature: float, draft_ahead: bool = False) -> dict:
     drafters = [create_drafter(drafter, DrafterOptions(context_size=1024, threads=drafter_threads(n)))
                 for _ in range(n)]
-    prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
-               for i in range(n)]
-    before = await client.info()
-    start = time.perf_counter()
-    results = await asyncio.gather(*[
-        generate(client, d, tokenizer,
-                 Request(p, max_tokens=max_tokens,
-                         sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None),
-                         policy=DraftPolicy(draft_tokens=k, adaptive=False, draft_ahead=draft_ahead)))
-        for i, (d, p) in enumerate(zip(drafters, prompts))
-    ])
-    wall = time.perf_counter() - start
-    after = await client.info()
-    await client.close()
-    for d in drafters:
-        d.close()
-    s = device_summary(results)
-    tokens = s["tokens"]
-    steps = after.stats.steps - before.stats.steps
-    verifications = after.stats.verifications - before.stats.verifications
-    return {
-        "drafter": drafter, "sessions": n, "tokens": tokens, "wall_s": wall,
-        "system_tokens_per_s": tokens / wall,
-        "per_session_tokens_per_s": sum(r.tokens_per_second for r in results) / n,
-        "acceptance_rate": s["acceptance_rate"],
-        "mean_acceptance_length": s["mean_acceptance_length"],
-        "server_steps": steps,
-        "mean_batch_sessions": verifications / steps if steps else 0.0,
-    }
+    policy = DraftPolicy(draft_tokens=k, adaptive=False, draft_ahead=draft_ahead)
+    jobs = [Job(d, Request(ids, max_tokens=max_tokens, policy=policy,
+                           sampling=SamplingParams(temperature=temperature, seed=i if temperature > 0 else None)))
+            for i, (d, ids) in enumerate(zip(drafters, prompts(tokenizer, n)))]
+    try:
+        s = run(address, tokenizer, jobs).summary()
+    finally:
+        for d in drafters:
+            d.close()
+    return {"drafter": drafter, "sessions": n, "per_session_tokens_per_s": s["tokens_per_s"],
+            **{key: s[key] for key in ("tokens", "wall_s", "system_tokens_per_s", "acceptance_rate",
+                                       "mean_acceptance_length", "server_steps", "mean_batch_sessions")}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,13 +98,13 @@ def main(args) -> int:
         with ServerProcess("--max-sessions", str(max(counts) + 2), "--max-seq-len", "1024",
                            "--max-wait-ms", "5") as address:
             tokenizer = Tokenizer()
-            asyncio.run(run_sessions(address, tokenizer, "llama-cpp", 1, 8, args.draft_tokens, 0.0))  # warm caches
+            run_sessions(address, tokenizer, "llama-cpp", 1, 8, args.draft_tokens, 0.0)  # warm caches
             plan = [(p, n, d) for p in range(1, args.repeats + 1) for n in counts
                     for d in (("llama-cpp", "none") if p % 2 else ("none", "llama-cpp"))]
             for i, (p, n, drafter) in enumerate(plan, 1):
                 print(f"[bench] {i}/{len(plan)}: pass {p}, {n} sessions, drafter {drafter} ...", end=" ", flush=True)
-                row = asyncio.run(run_sessions(address, tokenizer, drafter, n, args.max_tokens, args.draft_tokens,
-                                               args.temperature, args.draft_ahead))
+                row = run_sessions(address, tokenizer, drafter, n, args.max_tokens, args.draft_tokens,
+                                               args.temperature, args.draft_ahead)
                 print(f"{row['system_tokens_per_s']:.1f} tok/s, acceptance {row['acceptance_rate']:.2f}", flush=True)
                 rows.append({**row, "pass": p})
     except RuntimeError as err:

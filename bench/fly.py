@@ -15,7 +15,6 @@ target solves too few problems for its score to. Writes its section of docs/benc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import signal
@@ -26,15 +25,20 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from edge_client.policy import DraftPolicy
+from edge_client.request import Callbacks, Request
+
 from .cli import positive
-from .processes import ServerProcess
+from sim.processes import ServerProcess
 from .report import machine, publish
+from .runner import Job, figures, run, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## FLy: loose against exact verification on HumanEval"
 STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # HumanEval's stop sequences (Chen et al., 2021)
 MEANINGFUL_SCORE = 0.10  # below this pass@1 the target solves too few items for a point of score to be read
 MODES = ("target", "exact", "fly")
+COUNTS = ("tokens", "drafted", "accepted", "loosely_accepted", "rounds", "elapsed_s")  # an item's, per mode
 
 
 def cut(text: str) -> str:
@@ -113,29 +117,19 @@ def mean_log_likelihood(target, prompt_ids: list[int], ids: list[int]) -> float 
 
 
 def policy_for(mode: str, args):
-    from edge_client.policy import DraftPolicy
-
     if mode == "target":
         return DraftPolicy(draft_tokens=0, adaptive=False)
     rule = f"fly:window={args.fly_window},entropy_threshold={args.fly_entropy_threshold:g}" if mode == "fly" else mode
     return DraftPolicy(draft_tokens=args.draft_tokens, adaptive=False, verification=rule)
 
 
-async def complete(address, tokenizer, drafter, prompt_ids, max_tokens, policy):
+def complete(address, tokenizer, drafter, prompt_ids, max_tokens, policy):
     """One greedy generation, stopped once its text has a stop sequence (cut() trims what came after)."""
-    from edge_client.generation import generate
-    from edge_client.request import Callbacks, Request
-    from edge_client.transport import VerifierClient
-
     text = []
-    client = VerifierClient(address)
-    try:
-        heard = Callbacks(on_text=lambda piece, verified: text.append(piece),
-                          should_stop=lambda: cut("".join(text)) != "".join(text))
-        return await generate(client, drafter, tokenizer, Request(prompt_ids, max_tokens=max_tokens, policy=policy),
-                              callbacks=heard)
-    finally:
-        await client.close()
+    heard = Callbacks(on_text=lambda piece, verified: text.append(piece),
+                      should_stop=lambda: cut("".join(text)) != "".join(text))
+    job = Job(drafter, Request(prompt_ids, max_tokens=max_tokens, policy=policy), heard)
+    return run(address, tokenizer, [job]).results[0]
 
 
 class TargetChanged(RuntimeError):
@@ -168,21 +162,20 @@ def log_likelihood_change(rows: list[dict], scored: set[str]) -> tuple[float, fl
     return statistics.fmean(diffs) / base, 1.96 * spread / base
 
 
-def summary(rows: list[dict], mode: str, scored: set[str]) -> dict:
+def mode_summary(rows: list[dict], mode: str, scored: set[str]) -> dict:
     """One mode's figures; its mean log-likelihood over the `scored` items (scored_items)."""
     mine = [r for r in rows if r["mode"] == mode]
-    rounds = sum(r["rounds"] for r in mine)
-    tokens = sum(r["tokens"] for r in mine)
+    s = figures(**{key: sum(r[key] for r in mine) for key in COUNTS})
     lls = [r["log_likelihood"] for r in mine if r["task_id"] in scored]
     return {
         "mode": mode,
         "pass_at_1": sum(r["passed"] for r in mine) / len(mine),
         "differ_from_target": sum(r["differs"] for r in mine),
-        "mean_acceptance_length": 1 + sum(r["accepted"] for r in mine) / rounds if rounds else 0.0,
-        "loosely_accepted": sum(r["loose"] for r in mine),
-        "tokens_per_s": tokens / sum(r["elapsed_s"] for r in mine),
-        "verifications_per_token": rounds / tokens,
-        "target_tokens_per_token": (rounds + sum(r["drafted"] for r in mine)) / tokens,
+        "mean_acceptance_length": s["mean_acceptance_length"],
+        "loosely_accepted": s["loosely_accepted"],
+        "tokens_per_s": s["tokens_per_s"],
+        "verifications_per_token": s["rounds"] / s["tokens"],
+        "target_tokens_per_token": (s["rounds"] + s["drafted"]) / s["tokens"],
         "mean_log_likelihood": statistics.fmean(lls) if lls else float("nan"),
         "log_likelihood_items": len(lls),
     }
@@ -190,7 +183,7 @@ def summary(rows: list[dict], mode: str, scored: set[str]) -> dict:
 
 def report(rows: list[dict], args, n: int) -> tuple[str, list[dict]]:
     scored = scored_items(rows)
-    sums = [summary(rows, m, scored) for m in MODES]
+    sums = [mode_summary(rows, m, scored) for m in MODES]
     by = {s["mode"]: s for s in sums}
     names = {"target": "target alone", "exact": f"exact SLED, K {args.draft_tokens}",
              "fly": f"FLy, K {args.draft_tokens}, W {args.fly_window}, {args.fly_entropy_threshold:g} nats"}
@@ -279,21 +272,19 @@ def main(args) -> int:
                 prompt_ids = tokenizer.encode(problem["prompt"])
                 done = {}
                 for mode in MODES:
-                    result = asyncio.run(complete(address, tokenizer, drafters[mode], prompt_ids, args.max_tokens,
-                                                  policy_for(mode, args)))
+                    result = complete(address, tokenizer, drafters[mode], prompt_ids, args.max_tokens,
+                                      policy_for(mode, args))
                     completion = cut(result.text)
                     done[mode] = completion
                     ll = mean_log_likelihood(target, prompt_ids,
                                              cut_tokens(tokenizer, result.token_ids, written(result.text)))
                     rows.append({"task_id": problem["task_id"], "mode": mode, "completion": completion,
                                  "passed": passes(problem, completion, args.test_timeout),
-                                 "differs": completion != done["target"], "rounds": result.rounds,
-                                 "drafted": result.draft_tokens, "accepted": result.accepted_tokens,
-                                 "loose": result.loosely_accepted_tokens, "tokens": len(result.token_ids),
-                                 "elapsed_s": result.elapsed_s, "log_likelihood": ll})
+                                 "differs": completion != done["target"], "log_likelihood": ll,
+                                 **{key: summary([result])[key] for key in COUNTS}})
                 check_exact(problem["task_id"], done["target"], done["exact"])
                 if (i + 1) % 10 == 0 or i + 1 == len(items):
-                    sums = {m: summary(rows, m, set()) for m in MODES}  # pass@1 and lengths only
+                    sums = {m: mode_summary(rows, m, set()) for m in MODES}  # pass@1 and lengths only
                     print(f"[bench] {i + 1}/{len(items)} items: pass@1 target {sums['target']['pass_at_1']:.2f}, "
                           f"FLy {sums['fly']['pass_at_1']:.2f}; mean acceptance length exact "
                           f"{sums['exact']['mean_acceptance_length']:.2f}, FLy "

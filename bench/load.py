@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_client.generation import generate
-from edge_client.request import Callbacks, Request
 from edge_client.policy import DraftPolicy
-from edge_client.transport import VerifierClient
+from edge_client.request import Callbacks, Request
 
-from .report import cpu_counters, device_summary, stolen_share
+from .report import cpu_counters, stolen_share
+from .runner import Job, Runner, summary
 
 
 class Timeline:
@@ -90,7 +89,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
     # Devices draft in threads (asyncio.to_thread): one thread each, as each device is its own hardware (the
     # default pool, cores + 4 threads, would queue the drafting of 16 or 32 devices).
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=n + 4))
-    client = VerifierClient(address)
+    runner = Runner(address, tokenizer)
     t0 = time.perf_counter()
     start = end = float("inf")  # set when the window opens
     first_commit = [False] * n  # written from the drafting threads; read by window()
@@ -102,7 +101,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
                "latencies": []}
         # The device's draft-length controller, kept across its requests as the agent keeps one per drafter.
         controller = policy.controller() if policy.adaptive and policy.drafts else None
-        own = VerifierClient(link.address, own_connection=True) if link else None
+        own = Runner(link.address, tokenizer, own_connection=True) if link else None
         try:
             j = 0
             while time.perf_counter() < end:
@@ -117,8 +116,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
 
                 asked = time.perf_counter()
                 request = Request(prompt_ids[p], max_tokens=max_tokens, policy=policy)
-                r = await generate(own or client, drafter, tokenizer, request, controller=controller,
-                                   callbacks=Callbacks(should_stop=stop))
+                r = await (own or runner).generate(Job(drafter, request, Callbacks(should_stop=stop)), controller)
                 if not r.token_ids and time.perf_counter() >= end:
                     break  # the window ended before this request reached the server: it was never made
                 inside = [start <= t < end for t in drafter.commits]
@@ -143,7 +141,7 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         await asyncio.sleep(max(0.0, t0 + warmup_s - time.perf_counter()))
         while not all(first_commit) and time.perf_counter() - t0 < MAX_OPEN_WAIT_S:
             await asyncio.sleep(0.01)
-        before = (await client.info()).stats
+        before = await runner.stats()
         ticks = cpu_counters()
         cpu = time.process_time()
         relay = link.cpu_seconds() if link else 0.0
@@ -152,13 +150,13 @@ async def run_window(address, tokenizer, make_drafter, prompt_ids, n, max_tokens
         await asyncio.sleep(seconds)
         used = time.process_time() - cpu
         relayed = (link.cpu_seconds() - relay) / seconds if link else None
-        return (before, (await client.info()).stats, start - t0, stolen_share(ticks, cpu_counters()), used / seconds,
+        return (before, await runner.stats(), start - t0, stolen_share(ticks, cpu_counters()), used / seconds,
                 relayed)
 
     try:
         done = await asyncio.gather(window(), *[device(d) for d in range(n)])
     finally:
-        await client.close()
+        await runner.close()
     before, after, opened_s, stolen, devices_cpu, link_cpu = done[0]
     devices = done[1:]
 
@@ -191,7 +189,7 @@ def summarize(mode, n, w: Window):
     rounds = [x for dev in w.rounds for x in dev]
     itl = np.concatenate([np.repeat(t / max(tok, 1), tok) for _, tok, t in rounds]) if rounds else np.zeros(1)
     per_device = [sum(tok for _, tok, _ in dev) / w.seconds for dev in w.rounds]
-    s = device_summary(w.results)
+    s = summary(w.results)
     drafted = s["drafted"]
     before, after = w.before, w.after
     steps = after.steps - before.steps

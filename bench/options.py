@@ -100,7 +100,7 @@ def check_system_args(args) -> None:
              "file given to --draft-match carries both)")
     args.link_spec = None
     if args.link is not None:
-        from .linkemu import LinkSpec
+        from sim.linkemu import LinkSpec
 
         try:
             args.link_spec = LinkSpec.parse(args.link)

@@ -4,7 +4,6 @@ server apart from drafting on the same cores."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -13,11 +12,10 @@ import numpy as np
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.drafters.base import Proposal
 from edge_client.drafters.kv_drafter import common_prefix
-from edge_client.generation import generate
 from edge_client.request import Request
 from edge_client.sampling import SamplingParams
-from edge_client.transport import VerifierClient
-from edge_client.workload import QUESTIONS
+
+from .runner import Job, run
 
 
 class DraftClock:
@@ -166,15 +164,8 @@ def match_rate(tables: list[dict[int, list[int]]], fulls: list[list[int]]) -> tu
 
 def greedy_outputs(address, tokenizer, prompt_ids, max_tokens) -> list[list[int]]:
     """Per prompt: the prompt and the target's greedy output after it (the server decoding every token)."""
-    async def once():
-        client = VerifierClient(address)
-        try:
-            return await asyncio.gather(*[generate(client, create_drafter("none"), tokenizer,
-                                                   Request(ids, max_tokens=max_tokens)) for ids in prompt_ids])
-        finally:
-            await client.close()
-
-    return [list(ids) + run.token_ids for ids, run in zip(prompt_ids, asyncio.run(once()))]
+    jobs = [Job(create_drafter("none"), Request(ids, max_tokens=max_tokens)) for ids in prompt_ids]
+    return [list(ids) + r.token_ids for ids, r in zip(prompt_ids, run(address, tokenizer, jobs).results)]
 
 
 def synthesize_tables(fulls: list[list[int]], prompt_lens: list[int], match: float, vocab_size: int,
@@ -194,11 +185,6 @@ def synthesize_tables(fulls: list[list[int]], prompt_lens: list[int], match: flo
             table[n] = draft
         tables.append(table)
     return tables
-
-
-def prompts(tokenizer, n):
-    return [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]))
-            for i in range(n)]
 
 
 def drafting_ms_alone(drafter, prompt: list[int], tokens: int, runs: int = 3) -> list[float]:

@@ -108,19 +108,3 @@ def publish(markdown: str | Path, marker: str, section: str, json_path: str | No
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(rows, indent=2))
     print(f"[bench] wrote {markdown}" + (f" and {json_path}" if json_path else ""))
-
-
-def device_summary(results) -> dict:
-    """What every benchmark reports of devices' generations (edge_client GenerationResult): tokens, drafted and
-    accepted tokens, rounds, acceptance rate, mean acceptance length (vLLM's: 1 + accepted / rounds), draft tokens
-    a round, and tokens a second of generating (their tokens over their summed elapsed time)."""
-    tokens = sum(len(r.token_ids) for r in results)
-    drafted = sum(r.draft_tokens for r in results)
-    accepted = sum(r.accepted_tokens for r in results)
-    rounds = sum(r.rounds for r in results)
-    elapsed = sum(r.elapsed_s for r in results)
-    return {"tokens": tokens, "drafted": drafted, "accepted": accepted, "rounds": rounds,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_acceptance_length": 1 + accepted / rounds if rounds else 0.0,
-            "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}

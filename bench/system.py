@@ -32,8 +32,9 @@ from edge_client.transport import fetch_info
 
 from .load import run_window, summarize
 from .replay import (K_MAX, DraftClock, ReplayDrafter, device_only_rate, drafting_ms_alone, greedy_outputs,
-                     match_rate, measure_prefill, prefill_tokens, prompts, record_tables, synthesize_tables)
+                     match_rate, measure_prefill, prefill_tokens, record_tables, synthesize_tables)
 from .report import gpu_name, machine, publish
+from .runner import prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 # mode -> its devices' policy (None: server-only)
@@ -251,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(args) -> int:
     from .options import check_system_args
-    from .processes import ServerProcess
+    from sim.processes import ServerProcess
     from .tokenizers import device_tokenizer
 
     check_system_args(args)
@@ -268,7 +269,7 @@ def main(args) -> int:
         if args.match_only:
             return write_match(args, drafting, len(ids))
         if args.link_spec:
-            from .linkemu import LinkProcess
+            from sim.linkemu import LinkProcess
 
             link = LinkProcess(args.link_spec, *address.rsplit(":", 1))
             link.start()

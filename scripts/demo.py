@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.processes import free_port
+from sim.processes import free_port
 
 BIN = Path(sys.executable).parent
 PROMPTS = [

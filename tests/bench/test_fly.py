@@ -49,7 +49,7 @@ def test_exact_sled_differing_from_the_target_stops_the_command():
 
 def rows(mode, passed, accepted, rounds, ll, loose=0, differs=0):
     return [{"task_id": f"HumanEval/{i}", "mode": mode, "passed": i < passed, "differs": i < differs,
-             "rounds": rounds, "drafted": 8 * rounds, "accepted": accepted, "loose": loose,
+             "rounds": rounds, "drafted": 8 * rounds, "accepted": accepted, "loosely_accepted": loose,
              "tokens": rounds + accepted, "elapsed_s": 1.0, "log_likelihood": ll} for i in range(10)]
 
 

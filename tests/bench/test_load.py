@@ -24,7 +24,8 @@ def test_synthesized_drafts_verify_to_the_targets_own_greedy_text(tiny_server, t
     from edge_client.generation import generate
     from edge_client.request import Request
     from edge_client.transport import VerifierClient
-    from bench.replay import ReplayDrafter, greedy_outputs, prompts, synthesize_tables
+    from bench.replay import ReplayDrafter, greedy_outputs, synthesize_tables
+    from bench.runner import prompts
 
     server = tiny_server
     ids = prompts(tokenizer, 3)
@@ -63,7 +64,8 @@ def test_synthesized_drafts_verify_to_the_targets_own_greedy_text(tiny_server, t
 
 def test_closed_loop_window_counts_only_what_is_committed_inside_it(tiny_server, tokenizer):
     from bench.load import run_window, summarize
-    from bench.replay import ReplayDrafter, greedy_outputs, prompts, synthesize_tables
+    from bench.replay import ReplayDrafter, greedy_outputs, synthesize_tables
+    from bench.runner import prompts
 
     ids = prompts(tokenizer, 3)
     fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)
@@ -111,7 +113,8 @@ def test_the_window_opens_only_once_every_device_has_committed(tiny_server, toke
     """A device whose first round comes late (its prompt's prefill outlasted the warm-up, at many devices) keeps the
     window shut: opening it on time would count a start-up phase as the steady load."""
     from bench.load import run_window
-    from bench.replay import ReplayDrafter, greedy_outputs, prompts
+    from bench.replay import ReplayDrafter, greedy_outputs
+    from bench.runner import prompts
 
     ids = prompts(tokenizer, 2)
     fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)
@@ -140,7 +143,8 @@ def test_a_request_the_window_ended_before_it_reached_the_server_is_not_counted(
     """A request that starts just before the window's end and is stopped before its Open (its drafter's set-up outlasted
     the window) never reached the server: it is not one of the window's requests."""
     from bench.load import run_window
-    from bench.replay import ReplayDrafter, greedy_outputs, prompts
+    from bench.replay import ReplayDrafter, greedy_outputs
+    from bench.runner import prompts
 
     ids = prompts(tokenizer, 1)
     fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)
@@ -169,9 +173,10 @@ def test_over_a_link_sled_pays_the_round_trip_each_round_and_server_only_once_a_
     decodes and streams every token (Open.server_decodes), so the tokens come at the server's pace, as on loopback.
     The window records the CPU the relay took."""
     from edge_client.drafters import create_drafter
-    from bench.linkemu import LinkProcess, LinkSpec
+    from sim.linkemu import LinkProcess, LinkSpec
     from bench.load import run_window
-    from bench.replay import ReplayDrafter, greedy_outputs, prompts, synthesize_tables
+    from bench.replay import ReplayDrafter, greedy_outputs, synthesize_tables
+    from bench.runner import prompts
 
     ids = prompts(tokenizer, 2)
     fulls = greedy_outputs(tiny_server.address, tokenizer, ids, 8)

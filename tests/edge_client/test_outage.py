@@ -17,7 +17,7 @@ from edge_client.request import Callbacks, Request
 from edge_client.resilience import Resilience
 from edge_client.policy import DraftPolicy
 from edge_client.transport import VerifierClient, VerifyError
-from bench.processes import free_port
+from sim.processes import free_port
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, fingerprint="test",
                             stream_decoder=lambda: SimpleNamespace(feed=lambda ids: "", flush=lambda: ""))

@@ -11,7 +11,7 @@ import time
 import pytest
 from grpc_health.v1 import health_pb2
 
-from bench.processes import BIN, free_ports
+from sim.processes import BIN, free_ports
 from edge_client.drafters import DrafterOptions, create_drafter
 from edge_client.generation import generate
 from edge_client.request import Callbacks, Request

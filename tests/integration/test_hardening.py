@@ -346,7 +346,7 @@ def test_cancelling_a_server_decoded_stream_leaves_no_unretrieved_task_error(mak
 def test_sighup_rereads_the_device_tokens_of_a_running_server(tiny, tmp_path):
     import signal
 
-    from bench.processes import ServerProcess
+    from sim.processes import ServerProcess
 
     tokens = tmp_path / "devices.tokens"
     tokens.write_text(f"orin-1:{token_hash('tok-a')}\npi-2:{token_hash('tok-b')}\n")

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.linkemu import LinkEmulator, LinkSpec
+from sim.linkemu import LinkEmulator, LinkSpec
 from tests.conftest import all_freed, run
 
 

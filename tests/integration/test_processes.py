@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.processes import free_port
+from sim.processes import free_port
 from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.model

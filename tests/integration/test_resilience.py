@@ -16,7 +16,7 @@ from edge_client.resilience import Resilience
 from edge_client.policy import DraftPolicy
 from edge_client.transport import VerifierClient, VerifyError
 from tests.conftest import PROMPTS, run
-from bench.processes import free_port
+from sim.processes import free_port
 from tests.integration.test_processes import BIN
 
 pytestmark = pytest.mark.model

@@ -21,7 +21,7 @@ def test_compose_services_run_as_local_processes_over_emulated_links(tmp_path):
     netns = os.geteuid() == 0 and shutil.which("ip") is not None
     # the fleet profile: two servers, and devices that take both
     extra = ["--link", "delay_ms=20,jitter_ms=5,rate_mbit=50", "--profile", "fleet"] + (["--netns"] if netns else [])
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--timeout", "600", "--json", str(out),
+    done = subprocess.run([sys.executable, "-m", "sim.compose", "--timeout", "600", "--json", str(out),
                            *extra], capture_output=True, text=True, timeout=700)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "emulated links carried" in done.stdout
@@ -70,7 +70,7 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path, sig
     compose.write_text(yaml.safe_dump({"services": {"slow-server": {
         "command": ["python", "-c", LINGERING_SERVER, str(marker), "--port", "50051"]}}}))
     # faulthandler: a run stuck where it should not be dumps every thread's stack on SIGABRT (below)
-    run = subprocess.Popen([sys.executable, "-X", "faulthandler", str(ROOT / "scripts" / "simulate.py"), "--compose",
+    run = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "sim.compose", "--compose",
                             str(compose), "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -87,7 +87,7 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path, sig
                 if run.poll() is None:
                     run.send_signal(signal.SIGABRT)
                 out, err = run.communicate(timeout=30)
-                pytest.fail(f"the clean-up never asked the service to stop; simulate.py {state}\n"
+                pytest.fail(f"the clean-up never asked the service to stop; sim.compose {state}\n"
                             f"stdout:\n{out}\nstderr:\n{err}")
             time.sleep(0.05)
         run.send_signal(sig)

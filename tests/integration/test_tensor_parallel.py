@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from bench.processes import BIN, free_port
+from sim.processes import BIN, free_port
 from edge_client import codec
 from edge_client.drafters.base import Proposal
 from edge_client.request import Request

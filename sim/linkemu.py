@@ -6,7 +6,7 @@ machines whose kernel lacks `tc netem` (and beside it when present), and by `sle
 relay is its own link. Bytes keep their order: jitter moves release times but never reorders a stream,
 as a real link under TCP would.
 
-    python -m bench.linkemu --link delay_ms=20,jitter_ms=5,rate_mbit=50 --to 127.0.0.1:50051
+    python -m sim.linkemu --link delay_ms=20,jitter_ms=5,rate_mbit=50 --to 127.0.0.1:50051
 """
 
 from __future__ import annotations

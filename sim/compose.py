@@ -30,8 +30,8 @@ import yaml
 
 from sled.settings import yaml_error
 
-from bench.linkemu import LinkEmulator, LinkSpec
-from bench.processes import free_ports
+from .linkemu import LinkEmulator, LinkSpec
+from .processes import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

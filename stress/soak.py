@@ -100,17 +100,18 @@ class Tally:
 async def device(index: int, address: str, tokenizer, reference, args, tally: Tally, stop: asyncio.Event,
                  rng: random.Random) -> None:
     from edge_client.drafters import create_drafter
-    from edge_client.generation import generate
-    from edge_client.request import Request
     from edge_client.policy import DraftPolicy
+    from edge_client.request import Request
     from edge_client.resilience import Resilience
-    from edge_client.transport import VerifierClient, VerifyError
+    from edge_client.transport import VerifyError
+
+    from bench.runner import Job, Runner
 
     kind = ("oracle", "ngram", "none", "oracle")[index % 4]
     drafter = (OracleDrafter(reference, tokenizer.vocab_size, args.noise, rng) if kind == "oracle"
                else create_drafter(kind))
-    client = VerifierClient(address, own_connection=True)
     resilience = Resilience(fallback="wait", wait_deadline_s=args.wait_deadline, round_timeout_s=10.0)
+    runner = Runner(address, tokenizer, own_connection=True, resilience=resilience)
     prompts = list(reference)
     try:
         while not stop.is_set():
@@ -118,7 +119,7 @@ async def device(index: int, address: str, tokenizer, reference, args, tally: Ta
             want = reference[tuple(prompt)]
             request = Request(prompt, max_tokens=args.max_tokens,
                               policy=DraftPolicy(draft_tokens=4, adaptive=index % 2 == 0), client_id=f"soak-{index}")
-            job = asyncio.ensure_future(generate(client, drafter, tokenizer, request, resilience=resilience))
+            job = asyncio.ensure_future(runner.generate(Job(drafter, request)))
             cancel = rng.random() < args.cancel_share
             try:
                 if cancel:
@@ -140,7 +141,7 @@ async def device(index: int, address: str, tokenizer, reference, args, tally: Ta
                 tally.lost += len(result.token_ids)
                 tally.wrong.append((index, kind, tokenizer.decode(prompt)))
     finally:
-        await client.close(drain_timeout=2.0)
+        await runner.close(drain_timeout=2.0)
         drafter.close()
 
 
@@ -191,7 +192,7 @@ class Server:
     """The server process and its memory, life by life."""
 
     def __init__(self, flags: list[str]):
-        from bench.processes import ServerProcess
+        from sim.processes import ServerProcess
 
         self.proc = ServerProcess(*flags)
         self.lives: list[dict] = []  # per start: RSS after start, at its end, seconds alive, how it ended
@@ -220,8 +221,8 @@ class Server:
 
 
 async def free_slots(address: str, max_sessions: int, within_s: float) -> tuple[int, int]:
-    from bench.fuzz import Server as Facts
-    from bench.fuzz import free_slots as wait_free
+    from stress.fuzz import Server as Facts
+    from stress.fuzz import free_slots as wait_free
 
     return await wait_free(Facts(address, "", 0, 0, 0, max_sessions), within_s)
 

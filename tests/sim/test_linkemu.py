@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.linkemu import LinkEmulator, LinkProcess, LinkSpec
+from sim.linkemu import LinkEmulator, LinkProcess, LinkSpec
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_the_relay_process_reports_its_bytes_and_cpu(echo_port):
 
 
 def test_the_relay_refuses_bad_settings_with_a_clear_error():
-    script = Path(__file__).resolve().parents[2] / "bench" / "linkemu.py"
+    script = Path(__file__).resolve().parents[2] / "sim" / "linkemu.py"
     for argv, message in ((["--link", "delay_ms=fast", "--to", "127.0.0.1:1"], "delay_ms must be a number"),
                           (["--link", "delay_ms=5", "--to", "nowhere"], "--to must be HOST:PORT")):
         done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
@@ -136,7 +136,7 @@ def test_a_relay_whose_benchmark_was_killed_stops_by_itself(echo_port):
 
     parent = subprocess.Popen(
         [sys.executable, "-c", "import time; "
-         "from bench.linkemu import LinkProcess, LinkSpec; "
+         "from sim.linkemu import LinkProcess, LinkSpec; "
          f"r = LinkProcess(LinkSpec(delay_ms=1), '127.0.0.1', {echo_port}); r.start(); "
          "print(r.proc.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     relay = int(parent.stdout.readline())

@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    from bench.processes import ServerProcess
+    from sim.processes import ServerProcess
 
     proc = None
     address = args.server

@@ -1,18 +1,15 @@
-"""make simulate's plan of the compose services (scripts/simulate.py), without running them (no model needed)."""
+"""make simulate's plan of the compose services (sim/compose.py), without running them (no model needed)."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import bench.processes as ports
+import sim.processes as ports
+from sim import compose as simulate
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("simulate", ROOT / "scripts" / "simulate.py")
-simulate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(simulate)
 
 
 def test_the_services_get_distinct_ports_though_the_kernel_reuses_a_released_one(monkeypatch):
@@ -68,7 +65,7 @@ def test_a_signal_that_arrives_inside_a_destructor_still_stops_the_run(monkeypat
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
 def test_a_timeout_that_is_not_positive_is_a_usage_error(timeout):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--timeout", timeout],
+    done = subprocess.run([sys.executable, "-m", "sim.compose", "--timeout", timeout],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--timeout must be positive" in done.stderr
 

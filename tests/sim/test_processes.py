@@ -15,7 +15,7 @@ from bench.cli import counts_arg
 
 SCRIPT = """
 import time
-from bench.processes import exit_on_sigterm
+from sim.processes import exit_on_sigterm
 if {install}:
     exit_on_sigterm()
 try:
