@@ -1,5 +1,5 @@
 """The docs as a guide: every sled-server and sled-edge option is in docs/configuration.md (sled-bench's are in its
-own --help), and no user doc cites an issue number."""
+own --help), every command they name exists, README's figures are their sections', and no issue number is cited."""
 
 import re
 from pathlib import Path
@@ -60,3 +60,56 @@ def test_readmes_cpu_capacity_rows_are_the_capacity_sections_figures():
         base_row = re.search(rf"\| {n} \| server-only \| ([\d.]+) \|", capacity)
         assert sled_row and round(float(sled_row.group(1))) == int(s), (n, s, r)
         assert base_row and round(float(base_row.group(1))) == int(b), (n, b)
+
+
+def test_readmes_gpu_rows_are_the_gpu_sections_figures():
+    readme = (ROOT / "README.md").read_text()
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    system = section(benchmarks, "System benchmark on a GPU: SLED vs server-only vs device-only")
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in readme.splitlines()
+            if line.startswith("| H200") or line.startswith("| H100")]
+    assert len(rows) == 3
+    for server, figure, sled, base, ratio, drafts, heading in rows[:2]:
+        size = re.search(r"random-weight (\d+B) Llama", server).group(1)
+        assert heading == "System benchmark on a GPU" and figure == "system tok/s at 32 devices"
+        sled_row = re.search(rf"\| {size} \| sled \| ([\d.]+) \|.*\| {re.escape(ratio)} \|", system)
+        base_row = re.search(rf"\| {size} \| server-only \| ([\d.]+) \|", system)
+        assert sled_row and f"{round(float(sled_row.group(1))):,}" == sled, (size, sled)
+        assert base_row and f"{round(float(base_row.group(1))):,}" == base, (size, base)
+        assert f"devices draft at {drafts}" in system.replace("\n", " ")
+    step = section(benchmarks, "GPU step: per-segment attention against one padded call")
+    server, figure, ratio, *_, heading = rows[2]
+    assert heading == "GPU step" and "NVIDIA H100" in step and "1B Llama" in step
+    assert re.search(rf"\| 1 \| 1 \| [\d.]+ \| [\d.]+ \| {re.escape(ratio)} \|", step), ratio
+
+
+def named_commands(text: str) -> set[str]:
+    """The commands a doc shows: code spans and the lines of code blocks that run sled-*, make, python -m or a file
+    of the repository."""
+    code = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
+    code += [line for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.DOTALL) for line in block.splitlines()]
+    pattern = r"(sled-(?:bench|edge) [a-z-]+|make [a-z-]+|python -m [a-z_.]+|(?:scripts|tests|deploy)/[\w/.-]+)"
+    return {m for piece in code for m in re.findall(pattern, piece)}
+
+
+def test_every_command_the_docs_name_exists():
+    import importlib.util
+
+    from bench.cli import COMMANDS
+    from edge_client.cli import build_parser as edge
+
+    makefile = (ROOT / "Makefile").read_text()
+    subcommands = next(a.choices for a in edge()._actions if isinstance(getattr(a, "choices", None), dict))
+    named = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        named |= named_commands(path.read_text())
+    missing = []
+    for command in sorted(named):
+        tool, _, what = command.partition(" ")
+        exists = {"sled-bench": lambda: what in COMMANDS, "sled-edge": lambda: what in subcommands,
+                  "make": lambda: re.search(rf"^{re.escape(what)}:", makefile, flags=re.MULTILINE),
+                  "python": lambda: importlib.util.find_spec(what.removeprefix("-m "))}.get(
+                      tool, lambda: (ROOT / command.rstrip(".")).exists())
+        if not exists():
+            missing.append(command)
+    assert len(named) > 20 and not missing, f"commands the docs name that do not exist: {missing}"
