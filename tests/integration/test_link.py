@@ -3,9 +3,7 @@
 the same address unless told not to)."""
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 from sim.linkemu import LinkEmulator, LinkSpec
 from tests.conftest import all_freed, run
