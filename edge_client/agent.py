@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from sled.constraints import Constraint
+
 from .config import EdgeConfig
 from .drafters import create_drafter
 from .generation import generate
@@ -97,9 +99,11 @@ class Agent:
                 f"{self.config.max_concurrent}) and {self.waiting} waiting (max_queued {self.config.max_queued}); "
                 "retry later")
 
-    def request(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Request:
+    def request(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                constraint: Constraint | None = None) -> Request:
         """A request as this device serves it (its draft policy, its name); ValueError where it cannot be."""
-        return Request(prompt_ids, max_tokens, sampling, self.policy, client_id=f"sled-agent/{self.config.drafter}")
+        return Request(prompt_ids, max_tokens, sampling, self.policy, client_id=f"sled-agent/{self.config.drafter}",
+                       constraint=constraint)
 
     async def complete(self, asked: Request, stops: list[str], on_text: Callable[[str, bool], None] | None = None,
                        gone: Callable[[], bool] | None = None) -> Completion:

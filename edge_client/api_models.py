@@ -6,15 +6,53 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sled.constraints import Constraint
+
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "tool_choice", "response_format")
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "tool_choice")
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON that fits a schema."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extra field, one of: json (a JSON Schema), regex, grammar (Lark, llguidance's
+    dialect)."""
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if sum(x is not None for x in (self.json_, self.regex, self.grammar)) != 1:
+            raise ValueError("give exactly one of json, regex, grammar")
+        return self
 
 
 class _Request(BaseModel):
@@ -34,6 +72,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice a request (an int: strict refuses true)
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
 
     @model_validator(mode="after")
     def _supported(self):
@@ -46,6 +85,31 @@ class _Request(BaseModel):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def constraint_field(self) -> str | None:
+        """The field that asks for structured output (response_format or structured_outputs), or None."""
+        asked = [field for field, value in (("response_format", getattr(self, "response_format", None)),
+                                            ("structured_outputs", self.structured_outputs))
+                 if value is not None and getattr(value, "type", None) != "text"]
+        if len(asked) > 1:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return asked[0] if asked else None
+
+    def constraint(self) -> Constraint | None:
+        """What the text must match; ValueError, naming its field, for one past the wire's limits."""
+        field = self.constraint_field()
+        value = getattr(self, field) if field else None
+        try:
+            if field == "response_format":
+                return (Constraint("json_object") if value.type == "json_object"
+                        else Constraint.json_schema(value.json_schema.schema_))
+            if field == "structured_outputs":
+                if value.json_ is not None:
+                    return Constraint.json_schema(value.json_)
+                return Constraint("regex", value.regex) if value.regex is not None else Constraint("lark", value.grammar)
+        except ValueError as err:
+            raise ValueError(f"'{field}': {err}") from None
+        return None
 
 
 class CompletionRequest(_Request):
@@ -80,6 +144,7 @@ class Message(BaseModel):
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Count | None = None
+    response_format: ResponseFormat | None = None
 
 
 def first_problem(err: ValidationError) -> tuple[str, str | None]:

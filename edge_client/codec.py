@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sled.constraints import Constraint
 from sled.v1 import verify_pb2 as pb
 
 from .drafters.base import Proposal
@@ -56,7 +57,20 @@ def open_message(request: Request, fingerprint: str, auth_token: str = "", *, co
         tokenizer_fingerprint=fingerprint, context_token_ids=context, sampling=sp, max_tokens=max_tokens,
         stop_token_ids=list(request.stop_token_ids), client_id=request.client_id, auth_token=auth_token or "",
         server_decodes=not request.policy.drafts, verification=rule.wire if rule else pb.VERIFICATION_UNSPECIFIED,
-        verification_params=dict(rule.params) if rule else {}))
+        verification_params=dict(rule.params) if rule else {},
+        constraint=constraint_pb(request.constraint, len(context) - len(request.prompt_token_ids))))
+
+
+def constraint_pb(constraint: Constraint | None, generated: int) -> pb.Constraint | None:
+    """The request's constraint on the wire, with the tokens already generated under it (a reopen's)."""
+    if constraint is None:
+        return None
+    c = pb.Constraint(generated_tokens=generated)
+    if constraint.kind == "json_object":
+        c.json_object = True
+    else:
+        setattr(c, constraint.kind, constraint.text)
+    return c
 
 
 def draft_message(session_id: str, round_: int, proposal: Proposal) -> pb.ClientMessage:

@@ -181,8 +181,17 @@ class OpenAIServer:
             self.agent.policy.check(sampling)
         except ValueError as err:
             return _error(400, str(err), param="temperature")
+        field = None
+        try:  # a constraint the grammar library cannot compile: a 400 naming its field, before the headers
+            field = req.constraint_field()
+            constraint = req.constraint()
+            if constraint is not None:
+                await asyncio.to_thread(constraint.grammar)
+        except ValueError as err:
+            message = str(err) if str(err).startswith("'") or field is None else f"'{field}': {err}"
+            return _error(400, message, param=field)
         try:
-            asked = self.agent.request(prompt_ids, sampling, max_tokens)
+            asked = self.agent.request(prompt_ids, sampling, max_tokens, constraint)
         except ValueError as err:
             return _error(400, str(err))
         try:  # likewise a prompt too long for the device's or the server's context: a 400 before the headers

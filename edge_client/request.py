@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sled.constraints import Constraint
+
 from .policy import DraftPolicy
 from .round import RoundHooks
 from .sampling import SamplingParams
@@ -13,7 +15,8 @@ from .sampling import SamplingParams
 @dataclass(frozen=True)
 class Request:
     """What to generate: the prompt, how many tokens at most, how to sample, draft and verify, and what else stops
-    it; `client_id` names the device to the server (logs, metrics). Checked when built."""
+    it; `client_id` names the device to the server (logs, metrics); `constraint` what the text must match
+    (structured output, enforced by the server). Checked when built."""
 
     prompt_token_ids: Sequence[int]
     max_tokens: int
@@ -21,6 +24,7 @@ class Request:
     policy: DraftPolicy = DraftPolicy()
     stop_token_ids: Sequence[int] = ()
     client_id: str = ""
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

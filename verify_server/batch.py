@@ -46,6 +46,15 @@ class StepBatch:
         return StepBatch(plan, self.model_input, drafts, draft_batch(plan.verifies, drafts),
                          sampling_batch(plan.verifies, self.sampling.default))
 
+    def constrained(self) -> list[tuple[object, int, list[int]]]:
+        """The verifications under a constraint: (the session's matcher, its first logit row, its draft)."""
+        out, row = [], 0
+        for work, draft in zip(self.verifies, self.drafts):
+            if work.session.matcher is not None:
+                out.append((work.session.matcher, row, draft))
+            row += len(draft) + 1
+        return out
+
     def logit_rows(self, keep: list[int]) -> torch.Tensor:
         """The forward's output rows of the verifications at `keep`."""
         cu = [0]

@@ -9,12 +9,13 @@ import numpy as np
 
 from sled.v1 import verify_pb2 as pb
 from sled.v1.limits import MAX_STOP_TOKENS, greedy_temperature
+from sled.constraints import Constraint
 from sled.verification import RULES
 
 from .auth import Identity
 from .errors import invalid
 from .sessions import LENGTH, STOP, DraftRequest, OpenRequest, SamplingParams, Session, SparseQ, Verdict
-from .verification import rule_for
+from .verification import Exact, rule_for
 
 PROB_SUM_TOLERANCE = 1e-3
 
@@ -35,8 +36,10 @@ def _check_ids(ids, vocab_size: int, what: str) -> None:
         raise invalid(f"{what} id {bad[0]} out of range: the target vocabulary has {vocab_size} tokens")
 
 
-def open_from_pb(msg: pb.Open, vocab_size: int, config, device: Identity = Identity("", False)) -> OpenRequest:
-    """An Open, checked against the server's settings (`config`: its context limit, its verification rules)."""
+def open_from_pb(msg: pb.Open, vocab_size: int, config, device: Identity = Identity("", False),
+                 grammars=None) -> OpenRequest:
+    """An Open, checked against the server's settings (`config`: its context limit, its verification rules);
+    `grammars` (verify_server.constraint.Grammars) compiles its constraint, if it has one."""
     max_seq_len = config.max_seq_len
     ids = tuple(msg.context_token_ids)
     if not ids:
@@ -52,8 +55,37 @@ def open_from_pb(msg: pb.Open, vocab_size: int, config, device: Identity = Ident
         raise invalid("max_tokens must be at least 1")
     sampling = sampling_from_pb(msg.sampling)
     rule = rule_for(msg.verification, msg.verification_params, sampling.greedy, config)
+    matcher = None
+    if msg.HasField("constraint"):
+        rule, matcher = constrained(msg, rule, grammars)
     return OpenRequest(context_token_ids=ids, sampling=sampling, max_tokens=msg.max_tokens, stop_token_ids=stops,
-                       client_id=msg.client_id[:128], server_decodes=msg.server_decodes, device=device, rule=rule)
+                       client_id=msg.client_id[:128], server_decodes=msg.server_decodes, device=device, rule=rule,
+                       matcher=matcher)
+
+
+def constrained(msg: pb.Open, rule, grammars):
+    """An Open's constraint compiled, and its rule: a loose rule could accept a token the constraint forbids, so a
+    constrained session is verified exactly (one that asked for a loose rule is refused)."""
+    c = msg.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise invalid("constraint has no kind: set json_schema, json_object, regex or lark")
+    try:
+        constraint = Constraint(kind, "" if kind == "json_object" else getattr(c, kind))
+    except ValueError as err:
+        raise invalid(f"constraint: {err}") from None
+    if c.generated_tokens > len(msg.context_token_ids) - 1:
+        raise invalid(f"constraint.generated_tokens {c.generated_tokens}: the context has "
+                      f"{len(msg.context_token_ids)} tokens, the prompt at least one of them")
+    if rule.loose is not None:
+        if msg.verification:
+            raise invalid(f"{rule.name} verification cannot take a constraint: its loose acceptance could take a "
+                          "token the constraint forbids; open with exact verification")
+        rule = Exact({})  # the server's loose default applies to free text only
+    if grammars is None:
+        raise invalid("this server takes no constraints")
+    generated = list(msg.context_token_ids)[len(msg.context_token_ids) - c.generated_tokens:]
+    return rule, grammars.matcher(constraint, generated)
 
 
 def draft_from_pb(msg: pb.Draft, vocab_size: int, max_draft_tokens: int, max_top_k: int) -> DraftRequest:

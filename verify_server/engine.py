@@ -23,6 +23,7 @@ from kernels.cpu_step import machine_id, row_argmax
 from kernels.rejection_sampler import NonFiniteLogitsError, rejection_sample
 
 from .batch import StepBatch
+from .constraint import Grammars, commit
 from .config import ServerConfig
 from .cost_model import StepCostModel
 from .errors import SledError, exhausted
@@ -93,6 +94,7 @@ class Engine:
         self.metrics.free_slots.set(self.kv.num_free)
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = frozenset(target.eos_token_ids)
+        self.grammars = Grammars(target.tokenizer, self.vocab_size, target.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[str, Session] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()
@@ -322,7 +324,8 @@ class Engine:
         session = Session(id=uuid.uuid4().hex, slot=slot, tokens=list(req.context_token_ids),
                           sampling=req.sampling, remaining=req.max_tokens,
                           stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id,
-                          device=device, decoded_here=req.server_decodes and on_verdict is not None, rule=req.rule)
+                          device=device, decoded_here=req.server_decodes and on_verdict is not None, rule=req.rule,
+                          matcher=req.matcher)
         session.kv_len = self.prefix_cache.load(slot, session.tokens)
         session.answered_at = time.monotonic()  # Opened: counts where the prefix cache held the whole prompt
         if session.kv_len:
@@ -413,6 +416,8 @@ class Engine:
         and the others are sampled again without it."""
         live = list(range(len(batch.verifies)))
         results: list = [None] * len(live)
+        if logits is not None:
+            self.grammars.mask(logits, batch.constrained())
         while live:
             part = batch if len(live) == len(results) else batch.subset(live)
             rows = logits if len(live) == len(results) else logits[batch.logit_rows(live)]
@@ -444,7 +449,12 @@ class Engine:
                 "step_sessions": len(batch.verifies), "token_ms": self.costs.token_ms}
         for work, draft, result in zip(batch.verifies, batch.drafts, verdicts):
             if isinstance(result, tuple):  # (accepted, next token, accepted loosely); else the session's error
-                result = self._commit_one(work, draft, *result)
+                try:
+                    result = self._commit_one(work, draft, *result)
+                except Exception as exc:  # noqa: BLE001 - the session's answer, not every session's hang
+                    log.exception("committing a verdict of session %s failed", work.session.id)
+                    work.reply(SledError("INTERNAL", f"committing the verdict failed: {exc}"))
+                    continue
                 # The draft's wait through earlier steps (from its arrival to the end of the last one), not the
                 # batching window: the part of its round trip that the other sessions' drafts lengthen.
                 result = dataclasses.replace(result, **load,
@@ -464,6 +474,8 @@ class Engine:
         # a block cut at a stop token or the token budget keeps only the loose acceptances inside it
         n_loose = min(n_loose, kept)
         block = draft[:kept] + ([nxt] if nxt is not None else [])
+        if s.matcher is not None:
+            commit(s.matcher, block)
         s.tokens.extend(block)
         s.remaining -= len(block)
         s.generated += len(block)

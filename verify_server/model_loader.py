@@ -59,6 +59,7 @@ class Target:
     vocab_tokens: list[str]
     eos_token_ids: tuple[int, ...]
     fingerprint: str
+    tokenizer: object = None  # its transformers tokenizer: what constraints compile for
 
     @property
     def vocab_size(self) -> int:
@@ -149,7 +150,7 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
     if cache is not None and "gguf_file" in kwargs:
         cache.put_folder("target", gguf_key(path, dtype), lambda into: save_folder(model, tokenizer, into))
     return Target(model=model, name=path.name, vocab_tokens=tokens, eos_token_ids=eos_ids,
-                  fingerprint=vocab_fingerprint(tokens))
+                  fingerprint=vocab_fingerprint(tokens), tokenizer=tokenizer)
 
 
 def gguf_key(path: Path, dtype: torch.dtype) -> dict:
@@ -231,4 +232,5 @@ def load_random_target(spec: str, device: torch.device, dtype: torch.dtype, seed
         model = model.to(dtype).eval()
     params = sum(p.numel() for p in model.parameters())
     return Target(model=model, name=f"{spec} ({params / 1e9:.2f}B parameters, random weights)", vocab_tokens=tokens,
-                  eos_token_ids=(eos,) if eos is not None else (), fingerprint=vocab_fingerprint(tokens))
+                  eos_token_ids=(eos,) if eos is not None else (), fingerprint=vocab_fingerprint(tokens),
+                  tokenizer=tokenizer)

@@ -140,7 +140,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     if session is not None:
                         raise SledError("FAILED_PRECONDITION", "this stream already holds a session; one Open per stream")
                     identity = await self._identify(msg.open, context)
-                    request = codec.open_from_pb(msg.open, engine.vocab_size, cfg, identity)
+                    # a constraint compiles off the event loop (a large schema takes seconds)
+                    parse = functools.partial(codec.open_from_pb, msg.open, engine.vocab_size, cfg, identity,
+                                              getattr(engine, "grammars", None))
+                    request = await asyncio.to_thread(parse) if msg.open.HasField("constraint") else parse()
                     decodes = request.server_decodes
                     verdicts: asyncio.Queue = asyncio.Queue()  # a session the server decodes: the engine's verdicts
                     loop = asyncio.get_running_loop()

@@ -37,6 +37,7 @@ class OpenRequest:
     server_decodes: bool = False  # no drafts: the server decodes every token and streams it
     device: Identity = Identity("", False)  # who opened it (verify_server.auth)
     rule: object = field(default_factory=lambda: Exact({}))  # its verification rule (verify_server.verification)
+    matcher: object = None  # its constraint's state (verify_server.constraint), None: free text
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Session:
     device: Identity = Identity("", False)
     decoded_here: bool = False  # the server decodes it (Open.server_decodes): the engine asks each next token itself
     rule: object = field(default_factory=lambda: Exact({}))
+    matcher: object = None  # its constraint's state, advanced by the tokens it commits
     kv_len: int = 0
     generated: int = 0
     finished: bool = False

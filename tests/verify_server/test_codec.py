@@ -121,3 +121,42 @@ def test_a_rule_is_asked_per_session_with_the_server_s_parameters_and_its_limits
         assert err.value.code == code and needle in err.value.message, err.value.message
     with pytest.raises(SledError, match="verification 7 is not one this server knows"):
         rule(verification=7)
+
+
+class FakeGrammars:
+    """Compiles nothing: records what an Open's constraint asked of the server's grammars."""
+
+    def __init__(self):
+        self.asked = []
+
+    def matcher(self, constraint, generated=()):
+        self.asked.append((constraint, list(generated)))
+        return "matcher"
+
+
+def test_a_constrained_open_is_verified_exactly_and_resumes_after_the_tokens_generated_under_it():
+    def opened(config=CONFIG, **constraint):
+        grammars = FakeGrammars()
+        msg = pb.Open(context_token_ids=[1, 2, 3, 4], max_tokens=1, constraint=pb.Constraint(**constraint))
+        return open_from_pb(msg, 100, config, grammars=grammars), grammars.asked
+
+    request, asked = opened(regex="[0-9]+", generated_tokens=2)
+    assert request.matcher == "matcher" and asked[0][0].kind == "regex" and asked[0][1] == [3, 4]
+    request, asked = opened(json_object=True)
+    assert asked[0][0].kind == "json_object" and asked[0][1] == []
+    # a server whose default rule is loose verifies a constrained session exactly
+    request, _ = opened(ServerConfig(max_seq_len=64, verification="fly"), regex="a")
+    assert request.rule.name == "exact"
+    for msg, needle in (
+            (pb.Open(context_token_ids=[1], max_tokens=1, constraint=pb.Constraint()), "constraint has no kind"),
+            (pb.Open(context_token_ids=[1, 2], max_tokens=1, constraint=pb.Constraint(regex="a", generated_tokens=2)),
+             "constraint.generated_tokens 2: the context has 2 tokens"),
+            (pb.Open(context_token_ids=[1], max_tokens=1, constraint=pb.Constraint(json_schema="{nope")),
+             "constraint: json_schema is not JSON"),
+            (pb.Open(context_token_ids=[1], max_tokens=1, constraint=pb.Constraint(regex="a" * 70000)),
+             "over the limit"),
+            (pb.Open(context_token_ids=[1], max_tokens=1, verification=pb.VERIFICATION_FLY,
+                     constraint=pb.Constraint(regex="a")), "fly verification cannot take a constraint")):
+        with pytest.raises(SledError) as err:
+            open_from_pb(msg, 100, CONFIG, grammars=FakeGrammars())
+        assert err.value.code == "INVALID_ARGUMENT" and needle in err.value.message, err.value.message

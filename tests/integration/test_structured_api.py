@@ -1,0 +1,86 @@
+"""Structured output through the device agent, as apps ask for it with the official openai client: response_format
+(a JSON Schema, any JSON object, a pydantic model through parse()), vLLM's structured_outputs extra field (regex,
+grammar), plain and streamed, and clear 400s naming the field for what cannot be compiled or sent."""
+
+import json
+
+import pytest
+from openai import BadRequestError
+from pydantic import BaseModel
+
+from sled.constraints import MAX_CONSTRAINT_BYTES, Constraint
+from tests.integration.test_structured import masked_greedy
+
+pytestmark = pytest.mark.model
+
+MODEL = "smollm2-sled"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "colours": {"type": "array", "items": {
+    "type": "string"}, "maxItems": 3}}, "required": ["name", "colours"], "additionalProperties": False}
+
+
+class Country(BaseModel):
+    name: str
+    capital: str
+
+
+def test_a_json_schema_answer_is_the_masked_targets_text_plain_and_streamed(agent, target, tokenizer):
+    _, _, client = agent
+    messages = [{"role": "user", "content": "Name a flag and its colours as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                       response_format=fmt)
+    ids = tokenizer.encode(tokenizer.chat_prompt(messages))
+    want = masked_greedy(target, ids, Constraint.json_schema(SCHEMA), 64)
+    assert r.choices[0].message.content == tokenizer.decode([t for t in want if t not in target.eos_token_ids])
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "colours"} and len(value["colours"]) <= 3
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+
+
+def test_parse_with_a_pydantic_model_and_any_json_object(agent):
+    _, _, client = agent
+    done = client.chat.completions.parse(model=MODEL, max_tokens=64, temperature=0, response_format=Country,
+                                         messages=[{"role": "user", "content": "Which country has Paris?"}])
+    country = done.choices[0].message.parsed
+    assert isinstance(country, Country) and country.name and country.capital
+    r = client.chat.completions.create(model=MODEL, max_tokens=160, temperature=0,
+                                       response_format={"type": "json_object"},
+                                       messages=[{"role": "user", "content": "Give the name and age of a cat as a JSON object."}])
+    assert r.choices[0].finish_reason == "stop"  # the object closed (a cut one is not JSON: max_tokens bounds it)
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_vllms_structured_outputs_field_takes_a_regex_and_a_grammar(agent):
+    _, _, client = agent
+    r = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=12, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": " (yes|no)\\."}})
+    assert r.choices[0].text in (" yes.", " no.")
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0, messages=[{"role": "user", "content": "Pick a colour."}],
+        extra_body={"structured_outputs": {"grammar": 'start: "I pick " COLOUR "."\nCOLOUR: "red" | "green"'}})
+    assert r.choices[0].message.content in ("I pick red.", "I pick green.")
+
+
+def test_what_cannot_be_compiled_or_sent_is_a_400_naming_its_field(agent):
+    _, _, client = agent
+    chat = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(BadRequestError, match="'response_format': json_schema: Invalid type: nonsense") as err:
+        client.chat.completions.create(**chat, response_format=bad_schema)
+    assert err.value.body["param"] == "response_format"
+    with pytest.raises(BadRequestError, match="(?s)'structured_outputs': regex: .*unclosed group") as err:
+        client.chat.completions.create(**chat, extra_body={"structured_outputs": {"regex": "a(b"}})
+    assert err.value.body["param"] == "structured_outputs"
+    with pytest.raises(BadRequestError, match="over the limit"):
+        client.chat.completions.create(**chat, extra_body={"structured_outputs": {
+            "regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}})
+    with pytest.raises(BadRequestError, match="not both"):
+        client.chat.completions.create(**chat, response_format={"type": "json_object"},
+                                       extra_body={"structured_outputs": {"regex": "a"}})
+    with pytest.raises(BadRequestError, match="exactly one of json, regex, grammar"):
+        client.chat.completions.create(**chat, extra_body={"structured_outputs": {"regex": "a", "grammar": "b"}})
+    with pytest.raises(BadRequestError, match="json_schema is given with type json_schema"):
+        client.chat.completions.create(**chat, response_format={"type": "json_schema"})
