@@ -214,3 +214,34 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     _chi2_ok(second, p[1])
     _chi2_ok(nxt[acc == 2], p[2])
     assert 0 < acc.float().mean() < k  # drafts were really exercised
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
+def test_under_a_constraints_mask_drafts_keep_to_the_masked_target_distribution(temperature, top_p):
+    """A constraint masks the target's rows with the lowest finite logit (verify_server.constraint): drafts drawn
+    from a q that puts weight on forbidden tokens must never commit one, and what is committed follows the masked
+    target's distribution."""
+    n, k = 30000, 2
+    g = torch.Generator().manual_seed(99)
+    rows = torch.randn(k + 1, V, generator=g) * 1.5
+    allowed = torch.tensor([[1, 1, 0, 1, 0, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0, 1], [1, 0, 1, 0, 1, 1, 0, 1]]).bool()
+    masked = rows.masked_fill(~allowed, torch.finfo(rows.dtype).min)
+    q_probs = torch.softmax(rows[:k] + torch.randn(k, V, generator=g), dim=-1)  # an unmasked drafter: all of V
+    q_ids = torch.arange(V).repeat(k, 1)
+    drafts = torch.multinomial(q_probs, n, replacement=True, generator=g).T  # [n, k]
+    out = rejection_sample(masked.repeat(n, 1), DraftBatch(drafts.reshape(-1), torch.arange(0, n * k + 1, k),
+                                                           q_ids.repeat(n, 1), q_probs.repeat(n, 1)),
+                           batch([temperature] * n, top_p=[top_p] * n, seed=7))
+    acc, nxt = out.num_accepted, out.next_token
+    p = target_probs(masked, torch.full((k + 1,), temperature), torch.zeros(k + 1, dtype=torch.long),
+                     torch.full((k + 1,), top_p))
+    assert (p[~allowed] == 0).all()
+    first = torch.where(acc >= 1, drafts[:, 0], nxt)
+    assert allowed[0, first].all()
+    _chi2_ok(first, p[0])
+    past = acc >= 1
+    second = torch.where(acc[past] >= 2, drafts[past, 1], nxt[past])
+    assert allowed[1, second].all()
+    _chi2_ok(second, p[1])
+    assert allowed[2, nxt[acc == 2]].all()
+    assert (drafts[:, 0][~allowed[0, drafts[:, 0]]] >= 0).any()  # forbidden tokens were drafted, and refused
