@@ -25,6 +25,8 @@ COMMANDS = {
                            "INTERNAL or UNKNOWN, no hang, every slot free after"),
     "fairness": ("bench.fairness", "a light device's round time alone and beside devices sending long prompts"),
     "fly": ("bench.fly", "FLy's loose verification against exact on HumanEval: acceptance length, speed, accuracy"),
+    "structured": ("bench.structured", "JSON Schemas and a tool call under the constraint: server-only, drafts "
+                                       "unmasked and masked, free text: validity, acceptance, speed"),
 }
 
 

@@ -93,6 +93,14 @@ def _add_drafting(p) -> None:
                    help="keep drafting while a draft is verified, guessing that all of it is accepted; the next "
                         "draft is then ready when the guess holds (default "
                         f"{'on' if _d('draft_ahead') else 'off'}; --no-draft-ahead waits)")
+    p.add_argument("--mask-drafts", action=argparse.BooleanOptionalAction,
+                   help="under a request's constraint (structured output), let a model drafter draw only what the "
+                        f"constraint allows (default {'on' if _d('mask_drafts') else 'off'}; the server enforces it "
+                        "either way)")
+    p.add_argument("--forced-tokens", action=argparse.BooleanOptionalAction,
+                   help="under a request's constraint, draft the tokens it forces (keys, braces, an enum's tail) "
+                        f"without running the drafter (default {'on' if _d('forced_tokens') else 'off'}; the server "
+                        "verifies them as any other)")
     p.add_argument("--confidence-stop", action=argparse.BooleanOptionalAction,
                    help="with the adaptive K, end a draft early at a token the drafter is too unsure of, by how often "
                         "such tokens were accepted (default "

@@ -33,6 +33,8 @@ class EdgeConfig:
     max_draft_tokens: int = DraftPolicy.max_draft_tokens
     draft_ahead: bool = DraftPolicy.draft_ahead
     confidence_stop: bool = DraftPolicy.confidence_stop
+    mask_drafts: bool = DraftPolicy.mask_drafts  # under a constraint, draft only what it allows
+    forced_tokens: bool = DraftPolicy.forced_tokens  # and draft what it forces without the drafter
     # How the server verifies: a rule of sled/verification.py as NAME[:KEY=VALUE,...]; None: the server's default.
     verification: str | None = DraftPolicy.verification
     threads: int | None = None  # llama.cpp / ONNX Runtime threads
@@ -114,7 +116,9 @@ class EdgeConfig:
     def draft_policy(self) -> DraftPolicy:
         return DraftPolicy(draft_tokens=self.draft_tokens, adaptive=self.adaptive_draft,
                            max_draft_tokens=self.max_draft_tokens, draft_ahead=self.draft_ahead,
-                           confidence_stop=self.confidence_stop, verification=self.verification)
+                           confidence_stop=self.confidence_stop, mask_drafts=self.mask_drafts,
+                           forced_tokens=self.forced_tokens,
+                           verification=self.verification)
 
     def resilience(self) -> Resilience:
         return Resilience(fallback=self.fallback, wait_deadline_s=self.wait_deadline_s,

@@ -17,6 +17,7 @@ import time
 
 from . import codec
 from .adaptive import AdaptiveDraftLength
+from .constrained import Constrained, DraftMask
 from .drafters.base import Drafter, NoDrafter, Proposal
 from .policy import DraftLength, DraftPolicy
 from .resilience import Outage, Resilience
@@ -192,6 +193,16 @@ async def generate(client: VerifierClient, drafter: Drafter, tokenizer: Tokenize
     fresh one); the `none` drafter drafts nothing whatever the policy."""
     if getattr(drafter, "name", "") == NoDrafter.name:
         request = dataclasses.replace(request, policy=DraftPolicy(draft_tokens=0, adaptive=False))
-    run = _Generation(client, drafter, tokenizer, request, resilience, request.policy.controller(controller),
-                      callbacks)
-    return await run.run()
+    policy = request.policy
+    constrained = None
+    if request.constraint is not None and policy.drafts and (policy.mask_drafts or policy.forced_tokens):
+        mask = await asyncio.to_thread(DraftMask, request.constraint, tokenizer, len(request.prompt_token_ids))
+        drafter = constrained = Constrained(drafter, mask, policy.mask_drafts, policy.forced_tokens)
+    run = _Generation(client, drafter, tokenizer, request, resilience, policy.controller(controller), callbacks)
+    try:
+        result = await run.run()
+    finally:
+        if constrained is not None:
+            constrained.release()
+    result.forced_tokens = constrained.forced_tokens if constrained is not None else 0
+    return result

@@ -65,7 +65,7 @@ def _sled(c: Completion) -> dict:
     s = c.result.stats()
     keys = ("rounds", "draft_tokens", "accepted_tokens", "loosely_accepted_tokens", "acceptance_rate",
             "mean_acceptance_length", "tokens_per_second", "reconnects", "unverified_tokens",
-            "unverified_token_indices", "drafter")
+            "unverified_token_indices", "forced_tokens", "drafter")
     return {k: s[k] for k in keys}
 
 

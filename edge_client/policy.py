@@ -84,6 +84,8 @@ class DraftPolicy:
     confidence_stop: bool = False  # the adaptive K ends a draft at a token the drafter is too unsure of
     answer_at_once: bool = True  # answer a verdict without waiting for the token being drafted ahead
     empty_after_miss: float | None = EMPTY_AFTER_MISS  # None: a miss always gets K drafted afresh
+    mask_drafts: bool = True  # under a request's constraint, a model drafter draws only what it allows
+    forced_tokens: bool = True  # ... and the tokens it forces are drafted without the drafter
     # How the server verifies: a rule of sled/verification.py as NAME[:KEY=VALUE,...] (parameters left out take the
     # server's), or None for the server's default.
     verification: str | None = None

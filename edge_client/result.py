@@ -34,6 +34,7 @@ class GenerationResult:
     ahead_tokens: int = 0  # tokens of those drafts made ahead
     # rounds whose draft went out of tokens drafted ahead at once, while the drafter was still on its next token
     answered_at_once: int = 0
+    forced_tokens: int = 0  # drafted by the request's constraint alone (edge_client.constrained)
 
     @property
     def unverified_tokens(self) -> int:
@@ -72,6 +73,7 @@ class GenerationResult:
             "ahead_rounds": self.ahead_rounds,
             "ahead_tokens": self.ahead_tokens,
             "answered_at_once": self.answered_at_once,
+            "forced_tokens": self.forced_tokens,
             "unverified_tokens": self.unverified_tokens,
             "unverified_token_indices": [i for i, ok in enumerate(self.token_verified) if not ok],
         }

@@ -12,6 +12,9 @@ from sled.v1.limits import MAX_CONSTRAINT_BYTES
 # The kinds, as the wire's Constraint.kind names them: a JSON Schema (JSON text), any JSON object, a regular
 # expression, a Lark grammar (llguidance's dialect, which also reads GBNF converted to Lark).
 KINDS = ("json_schema", "json_object", "regex", "lark")
+# JSON comes out on one line with ", " and ": " between items (as json.dumps writes it): the grammar then forces every
+# key, quote and colon, which a device drafts without its drafter, and a small model cannot loop on whitespace.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,9 @@ class Constraint:
         m = llguidance.LLMatcher
         try:
             if self.kind == "json_schema":
-                grammar = m.grammar_from_json_schema(self.text)
+                grammar = m.grammar_from_json_schema(self.text, overrides=JSON_LAYOUT)
             elif self.kind == "json_object":
-                grammar = m.grammar_from_json_schema(json.dumps({"type": "object"}))
+                grammar = m.grammar_from_json_schema(json.dumps({"type": "object"}), overrides=JSON_LAYOUT)
             elif self.kind == "regex":
                 grammar = m.grammar_from_regex(self.text)
             else:

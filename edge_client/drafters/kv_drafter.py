@@ -40,6 +40,8 @@ class KVDrafter:
         self.step_s: float | None = None
         self.check_s = 0.0
         self.check_replaced = 0
+        # the request's constraint (edge_client.constrained.DraftMask): each token drawn only from what it allows
+        self.mask = None
 
     def _eval(self, tokens: list[int]) -> np.ndarray:  # [vocab] logits after the last token
         raise NotImplementedError
@@ -117,12 +119,15 @@ class KVDrafter:
             self._logits = rows[-1]
         self.guesses_kept = 0
         s = self.sampling
+        mask = self.mask if self.mask is not None and self.mask.sync(context) else None
         tokens: list[int] = []
         confidence: list[float] = []
         q_ids: list[np.ndarray] = []
         q_probs: list[np.ndarray] = []
         for i in range(k):
             logits = rows[i] if i <= len(guesses) else self._logits  # rows past a dropped guess are stale
+            if mask is not None:
+                logits = mask.apply(logits)
             if s.greedy:
                 x = int(np.argmax(logits))
                 # top-1 probability of the drafter's own distribution: 1 / sum(exp(l - l_max))
@@ -144,6 +149,8 @@ class KVDrafter:
                 q_probs.append(probs)
             tokens.append(x)
             confidence.append(sure)
+            if mask is not None and not mask.advance(x):
+                mask = None
             if guessed and x == guesses[i]:
                 self.guesses_kept += 1  # its row, the next position's logits, is already in `rows`
             elif guessed:
@@ -158,6 +165,10 @@ class KVDrafter:
         if s.greedy:
             return Proposal(tokens, confidence=confidence)
         return Proposal(tokens, q_ids, q_probs, confidence=confidence)
+
+    def constrain(self, mask) -> None:
+        """Draw only what `mask` (a DraftMask) allows from now on; None: free again."""
+        self.mask = mask
 
     def accept(self, context: list[int], ahead: Sequence[int] = ()) -> None:
         # Drafted-ahead tokens that continue the committed context keep their cache entries: they are proposed

@@ -78,6 +78,9 @@ class StackedDrafter:
         self.name = f"stack:{proposer.name}+{model.name}"
         self.checks = self.guessed = self.kept = 0  # lifetime counts, for the benchmark and the logs
 
+    def constrain(self, mask) -> None:
+        self.model.constrain(mask)  # the model draws the tokens; a guess the mask forbids is never kept
+
     def begin(self, context: list[int], sampling: SamplingParams) -> None:
         self.proposer.begin(context, sampling)
         self.model.begin(context, sampling)

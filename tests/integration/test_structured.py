@@ -62,7 +62,8 @@ def test_a_constrained_greedy_generation_is_the_masked_targets_and_a_free_one_be
         try:
             return await asyncio.gather(
                 generate(client, create_drafter("llama-cpp"), tokenizer,
-                         Request(prompt, max_tokens=48, policy=DraftPolicy(draft_tokens=4), constraint=constraint)),
+                         Request(prompt, max_tokens=48, constraint=constraint,
+                                 policy=DraftPolicy(draft_tokens=4, mask_drafts=False, forced_tokens=False))),
                 generate(client, create_drafter("llama-cpp"), tokenizer,
                          Request(free_prompt, max_tokens=24, policy=DraftPolicy(draft_tokens=4))))
         finally:
@@ -126,3 +127,30 @@ def test_a_constraint_near_the_size_limit_reaches_the_server(make_server, tokeni
             await client.close()
 
     assert tokenizer.decode(run(once()).token_ids).startswith("ok")
+
+
+def test_a_drafter_masked_by_the_constraint_drafts_valid_tokens_and_more_are_accepted(make_server, target, tokenizer):
+    """The same request with the device's mask and without: the same text (the masked target's), and the masked
+    drafts, never broken by the schema, are accepted more often. Fixed K, no drafting ahead: both runs draft alike
+    apart from the mask."""
+    server = make_server()
+    constraint = Constraint.json_schema(SCHEMA)
+    prompt = chat(tokenizer, "Give a big city of Italy and its population as JSON.")
+
+    async def once(mask: bool, forced: bool = False):
+        client = VerifierClient(server.address)
+        policy = DraftPolicy(draft_tokens=6, adaptive=False, draft_ahead=False, mask_drafts=mask,
+                             forced_tokens=forced)
+        try:
+            return await generate(client, create_drafter("llama-cpp"), tokenizer,
+                                  Request(prompt, max_tokens=48, policy=policy, constraint=constraint))
+        finally:
+            await client.close()
+
+    masked, free, jumped = run(once(True)), run(once(False)), run(once(True, forced=True))
+    assert masked.token_ids == free.token_ids == jumped.token_ids == masked_greedy(target, prompt, constraint, 48)
+    assert masked.acceptance_rate > free.acceptance_rate
+    assert masked.rounds < free.rounds
+    assert masked.forced_tokens == free.forced_tokens == 0
+    # the keys, quotes and colons the schema forces are drafted without the drafter, and accepted as any other
+    assert jumped.forced_tokens >= 4 and jumped.rounds <= masked.rounds

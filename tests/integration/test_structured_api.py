@@ -25,7 +25,7 @@ class Country(BaseModel):
 
 def test_a_json_schema_answer_is_the_masked_targets_text_plain_and_streamed(agent, target, tokenizer):
     _, _, client = agent
-    messages = [{"role": "user", "content": "Name a flag and its colours as JSON."}]
+    messages = [{"role": "user", "content": "Name a country and the colours of its flag."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": SCHEMA, "strict": True}}
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
                                        response_format=fmt)
@@ -48,7 +48,7 @@ def test_parse_with_a_pydantic_model_and_any_json_object(agent):
     assert isinstance(country, Country) and country.name and country.capital
     r = client.chat.completions.create(model=MODEL, max_tokens=160, temperature=0,
                                        response_format={"type": "json_object"},
-                                       messages=[{"role": "user", "content": "Give the name and age of a cat as a JSON object."}])
+                                       messages=[{"role": "user", "content": "Give a cat's name and age."}])
     assert r.choices[0].finish_reason == "stop"  # the object closed (a cut one is not JSON: max_tokens bounds it)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
