@@ -140,6 +140,8 @@ class Engine:
             "sessions_opened": m.sessions_opened,
             "prefix_cache_hit_tokens": m.prefix_cache_hit_tokens,
             "loosely_accepted_tokens": m.loosely_accepted_tokens,
+            "constrained_draft_tokens": m.constrained_draft_tokens,
+            "constrained_accepted_tokens": m.constrained_accepted_tokens,
         }
 
     def kernels(self) -> dict:
@@ -487,5 +489,5 @@ class Engine:
         else:
             s.kv_len = len(s.tokens) - 1
         s.last_active = s.answered_at = time.monotonic()
-        self.metrics.record_verification(len(draft), kept, len(block), s.device.label, n_loose)
+        self.metrics.record_verification(len(draft), kept, len(block), s.device.label, n_loose, s.matcher is not None)
         return Verdict(work.draft.round, kept, nxt, reason is not None, reason, n_loose=n_loose)

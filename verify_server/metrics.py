@@ -17,6 +17,9 @@ class Metrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     loosely_accepted_tokens: int = 0  # of accepted_tokens, accepted by a loose verification rule
+    # sessions under a constraint (structured output): their draft tokens, and those accepted
+    constrained_draft_tokens: int = 0
+    constrained_accepted_tokens: int = 0
     emitted_tokens: int = 0
     prefill_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt positions copied from the prefix cache instead of prefilled
@@ -40,6 +43,8 @@ class Metrics:
         self._p_loose = Counter("sled_spec_decode_num_loosely_accepted_tokens",
                                 "draft tokens accepted by a loose verification rule (of those accepted)", registry=r)
         self._p_emitted = Counter("sled_generation_tokens", "tokens committed to sessions", registry=r)
+        self._p_constrained = Counter("sled_constrained_draft_tokens", "draft tokens of sessions under a constraint, "
+                                      "by outcome", ["outcome"], registry=r)
         self._p_pos = Counter("sled_spec_decode_num_accepted_tokens_per_pos", "accepted tokens by draft position",
                               ["position"], registry=r)
         self._p_batch = Histogram("sled_step_batch_sessions", "sessions verified per step",
@@ -91,9 +96,12 @@ class Metrics:
         self._p_refusals.labels(device=device, reason=reason).inc()
 
     def record_verification(self, num_draft: int, num_accepted: int, emitted: int, device: str = "anonymous",
-                            num_loose: int = 0) -> None:
+                            num_loose: int = 0, constrained: bool = False) -> None:
         with self._lock:
             self.verifications += 1
+            if constrained:
+                self.constrained_draft_tokens += num_draft
+                self.constrained_accepted_tokens += num_accepted
             self.loosely_accepted_tokens += num_loose
             self.emitted_tokens += emitted
             if num_draft:
@@ -106,6 +114,9 @@ class Metrics:
         self._p_device_tokens.labels(device=device).inc(emitted)
         if num_loose:
             self._p_loose.inc(num_loose)
+        if constrained and num_draft:
+            self._p_constrained.labels(outcome="accepted").inc(num_accepted)
+            self._p_constrained.labels(outcome="rejected").inc(num_draft - num_accepted)
         if num_draft:
             self._p_drafts.inc()
             self._p_draft_tokens.inc(num_draft)

@@ -77,6 +77,10 @@ def test_a_constrained_greedy_generation_is_the_masked_targets_and_a_free_one_be
     assert set(value) == {"city", "population"} and isinstance(value["population"], int)
     # the unmasked drafter proposes free text: some of its drafts broke the schema and were cut there
     assert structured.accepted_tokens < structured.draft_tokens
+    # the server counts the constrained session's drafts apart
+    stats = server.engine.stats()
+    assert (stats["constrained_draft_tokens"], stats["constrained_accepted_tokens"]) == (
+        structured.draft_tokens, structured.accepted_tokens)
 
 
 def test_the_server_decoding_alone_under_a_constraint_gives_the_same_text(make_server, target, tokenizer):
