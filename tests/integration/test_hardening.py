@@ -12,6 +12,7 @@ import pytest
 
 from sled.v1 import verify_pb2 as pb
 from sled.v1 import verify_pb2_grpc as pb_grpc
+from sled.v1.limits import max_message_bytes
 from tests.conftest import all_freed, run
 from verify_server.auth import token_hash
 
@@ -235,7 +236,8 @@ def test_a_message_past_what_the_settings_allow_is_refused_before_it_is_decoded(
     async def oversized():
         async with grpc.aio.insecure_channel(server.address) as channel:
             call = pb_grpc.VerifierStub(channel).Session()
-            await call.write(open_msg(tiny, ids=[1] * 20_000))  # ~ 40 KB: 78x the context
+            # past the receive limit (the context's ids, the stop ids and the largest constraint an Open may carry)
+            await call.write(open_msg(tiny, ids=[1] * (max_message_bytes(256, 16, 64) + 1)))
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call.read()
             ok = pb_grpc.VerifierStub(channel).Session()
