@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -11,7 +12,7 @@ from sled.constraints import Constraint
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "tool_choice")
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "functions")
 
 
 class StreamOptions(BaseModel):
@@ -53,6 +54,26 @@ class StructuredOutputs(BaseModel):
         if sum(x is not None for x in (self.json_, self.regex, self.grammar)) != 1:
             raise ValueError("give exactly one of json, regex, grammar")
         return self
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: Function
+
+
+class NamedTool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: dict[Literal["name"], str]
 
 
 class _Request(BaseModel):
@@ -145,6 +166,56 @@ class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Count | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        names = [t.function.name for t in self.tools or ()]
+        if isinstance(self.tool_choice, NamedTool) and self.tool_choice.function["name"] not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function['name']!r}, which is not "
+                             f"among the tools ({', '.join(names) or 'none given'})")
+        if self.tool_choice in ("required",) and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.tools and self.tool_choice in (None, "auto"):
+            raise ValueError("tool_choice 'auto' is not supported by the SLED device agent: name the function, or "
+                             "ask for 'required' or 'none'")
+        return self
+
+    def forced_tools(self) -> list[Function]:
+        """The functions one of which the answer must call ('required', or the one named), none otherwise."""
+        if isinstance(self.tool_choice, NamedTool):
+            return [t.function for t in self.tools if t.function.name == self.tool_choice.function["name"]]
+        return [t.function for t in self.tools] if self.tool_choice == "required" else []
+
+    def constraint_field(self) -> str | None:
+        if self.forced_tools():
+            if super().constraint_field() is not None:
+                raise ValueError("a forced tool call takes no response_format or structured_outputs")
+            return "tools"
+        return super().constraint_field()
+
+    def constraint(self) -> Constraint | None:
+        """A forced tool call: the function's name and its arguments, as JSON ({"name": ..., "arguments": ...})."""
+        tools = self.forced_tools()
+        if not tools:
+            return super().constraint()
+        calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                  "required": ["name", "arguments"], "additionalProperties": False} for f in tools]
+        try:
+            return Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        except ValueError as err:
+            raise ValueError(f"'tools': {err}") from None
+
+    def tool_prompt(self) -> str | None:
+        """What the model is told of the functions it must call (a system message), or None."""
+        tools = self.forced_tools()
+        if not tools:
+            return None
+        listed = "\n".join(json.dumps({"name": f.name, "description": f.description or "", "parameters": f.parameters})
+                           for f in tools)
+        return ("You call functions. Answer with one call, as JSON: {\"name\": NAME, \"arguments\": {...}}. "
+                "The functions:\n" + listed)
 
 
 def first_problem(err: ValidationError) -> tuple[str, str | None]:

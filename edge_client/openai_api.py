@@ -56,6 +56,22 @@ def _sampling(req, agent: Agent) -> tuple[SamplingParams, int]:
     return sampling, max_tokens
 
 
+def with_tools(messages: list[dict], told: str | None) -> list[dict]:
+    """The messages with what the model is told of the functions it must call, as (or before) the system message."""
+    if told is None:
+        return messages
+    if messages[0]["role"] == "system":
+        return [{"role": "system", "content": told + "\n\n" + messages[0]["content"]}] + messages[1:]
+    return [{"role": "system", "content": told}] + messages
+
+
+def tool_call(text: str) -> dict:
+    """A forced call's text ({"name": ..., "arguments": {...}}, as its constraint made it) as OpenAI's tool call."""
+    call = json.loads(text)
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+
+
 def _usage(c: Completion) -> dict:
     p, n = len(c.result.prompt_token_ids), len(c.result.token_ids)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
@@ -157,7 +173,7 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await self._parse(request, ChatRequest)
-            messages = [m.plain() for m in req.messages]
+            messages = with_tools([m.plain() for m in req.messages], req.tool_prompt())
             try:
                 text = await asyncio.to_thread(self.agent.tokenizer.chat_prompt, messages)
             except ValueError as err:  # a model without a chat template
@@ -170,6 +186,7 @@ class OpenAIServer:
     async def _run(self, request, req, prompt_ids, chat):
         sampling, max_tokens = _sampling(req, self.agent)
         stops, stream = req.stops, req.stream
+        calls = chat and bool(req.forced_tools())  # a forced tool call: answered as tool_calls
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         model = self.agent.config.model_name
@@ -212,6 +229,9 @@ class OpenAIServer:
             choice = ({"index": 0, "message": {"role": "assistant", "content": c.text}} if chat
                       else {"index": 0, "text": c.text, "logprobs": None})
             choice["finish_reason"] = c.finish_reason
+            if calls and c.finish_reason == "stop":  # the call is complete: OpenAI's tool_calls, not text
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [tool_call(c.text)]}
+                choice["finish_reason"] = "tool_calls"
             return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
                                       "choices": [choice], "usage": _usage(c), "sled": _sled(c)})
 
@@ -236,8 +256,9 @@ class OpenAIServer:
             first = event(None)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             queue.put_nowait(first)
-        task = asyncio.create_task(self.agent.complete(
-            asked, stops, on_text=lambda t, ok: queue.put_nowait(event(t, ok)), gone=gone))
+        # a tool call's text is sent whole once complete, as OpenAI's tool-call delta
+        heard = None if calls else (lambda t, ok: queue.put_nowait(event(t, ok)))
+        task = asyncio.create_task(self.agent.complete(asked, stops, on_text=heard, gone=gone))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while True:
@@ -247,7 +268,15 @@ class OpenAIServer:
                 await resp.write(f"data: {json.dumps(item)}\n\n".encode())
             try:
                 c = task.result()
-                final = event(None if chat else "", finish=c.finish_reason, extra={"sled": _sled(c)})
+                finish = c.finish_reason
+                if calls and finish == "stop":
+                    delta = event(None)
+                    delta["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **tool_call(c.text)}]}
+                    await resp.write(f"data: {json.dumps(delta)}\n\n".encode())
+                    finish = "tool_calls"
+                elif calls:  # cut short: the text as it came
+                    await resp.write(f"data: {json.dumps(event(c.text))}\n\n".encode())
+                final = event(None if chat else "", finish=finish, extra={"sled": _sled(c)})
                 if req.stream_options is not None and req.stream_options.include_usage:
                     final["usage"] = _usage(c)
                 await resp.write(f"data: {json.dumps(final)}\n\n".encode())

@@ -84,3 +84,51 @@ def test_what_cannot_be_compiled_or_sent_is_a_400_naming_its_field(agent):
         client.chat.completions.create(**chat, extra_body={"structured_outputs": {"regex": "a", "grammar": "b"}})
     with pytest.raises(BadRequestError, match="json_schema is given with type json_schema"):
         client.chat.completions.create(**chat, response_format={"type": "json_schema"})
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+NEWS = {"type": "function", "function": {"name": "get_news", "parameters": {
+    "type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}}}
+
+
+def test_a_forced_tool_call_answers_tool_calls_plain_and_streamed(agent):
+    _, _, client = agent
+    ask = dict(model=MODEL, max_tokens=64, temperature=0, tools=[WEATHER, NEWS],
+               messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    r = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    chunks = list(client.chat.completions.create(**ask, stream=True, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert json.loads(deltas[0].function.arguments) == args
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    required = client.chat.completions.create(**ask, tool_choice="required").choices[0]
+    assert required.finish_reason == "tool_calls"
+    assert required.message.tool_calls[0].function.name in ("get_weather", "get_news")
+    plain = client.chat.completions.create(**ask, tool_choice="none").choices[0]
+    assert plain.message.tool_calls is None and plain.message.content
+
+
+def test_tool_choices_the_agent_cannot_honour_are_400s(agent):
+    _, _, client = agent
+    ask = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(BadRequestError, match="names the function 'get_time', which is not among the tools"):
+        client.chat.completions.create(**ask, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    with pytest.raises(BadRequestError, match="'auto' is not supported"):
+        client.chat.completions.create(**ask, tools=[WEATHER])
+    with pytest.raises(BadRequestError, match="needs tools"):
+        client.chat.completions.create(**ask, tool_choice="required")
+    with pytest.raises(BadRequestError, match="'tools': json_schema: "):
+        client.chat.completions.create(**ask, tool_choice="required", tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}])
