@@ -276,12 +276,13 @@ def main(args) -> int:
                                       policy_for(mode, args))
                     completion = cut(result.text)
                     done[mode] = completion
+                    counts = summary([result])
                     ll = mean_log_likelihood(target, prompt_ids,
                                              cut_tokens(tokenizer, result.token_ids, written(result.text)))
                     rows.append({"task_id": problem["task_id"], "mode": mode, "completion": completion,
                                  "passed": passes(problem, completion, args.test_timeout),
                                  "differs": completion != done["target"], "log_likelihood": ll,
-                                 **{key: summary([result])[key] for key in COUNTS}})
+                                 **{key: counts[key] for key in COUNTS}})
                 check_exact(problem["task_id"], done["target"], done["exact"])
                 if (i + 1) % 10 == 0 or i + 1 == len(items):
                     sums = {m: mode_summary(rows, m, set()) for m in MODES}  # pass@1 and lengths only

@@ -61,28 +61,13 @@ FREE = "SLED, free text"  # the same prompts without a constraint, each as long 
 
 
 def valid(text: str, schema: dict) -> bool:
-    """Whether the text parses as JSON and fits the schema (the subset TASKS use: objects, types, enum, const)."""
+    """Whether the text parses as JSON and fits the schema (jsonschema, the reference validator)."""
+    import jsonschema
+
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
         return False
-    return fits(value, schema)
-
-
-def fits(value, schema: dict) -> bool:
-    if "const" in schema:
-        return value == schema["const"]
-    if "enum" in schema:
-        return value in schema["enum"]
-    kind = schema.get("type")
-    if kind == "object":
-        props = schema.get("properties", {})
-        return (isinstance(value, dict) and all(k in value for k in schema.get("required", ()))
-                and (schema.get("additionalProperties", True) or set(value) <= set(props))
-                and all(fits(v, props[k]) for k, v in value.items() if k in props))
-    types = {"string": str, "boolean": bool, "integer": int, "number": (int, float)}
-    if kind in types:
-        return isinstance(value, types[kind]) and (kind == "boolean" or not isinstance(value, bool))
     return True
 
 

@@ -175,7 +175,7 @@ class ChatRequest(_Request):
         if isinstance(self.tool_choice, NamedTool) and self.tool_choice.function["name"] not in names:
             raise ValueError(f"tool_choice names the function {self.tool_choice.function['name']!r}, which is not "
                              f"among the tools ({', '.join(names) or 'none given'})")
-        if self.tool_choice in ("required",) and not names:
+        if self.tool_choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         if self.tools and self.tool_choice in (None, "auto"):
             raise ValueError("tool_choice 'auto' is not supported by the SLED device agent: name the function, or "

@@ -4,29 +4,12 @@ whatever the device drafts; this only keeps acceptance high."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from sled.constraints import Constraint
 
 from .drafters.base import Proposal
 from .drafters.kv_drafter import common_prefix
-
-_TOKENIZERS: dict[str, object] = {}  # the device tokenizer's file -> its llguidance tokenizer (about a second each)
-
-
-def lltokenizer(tokenizer):
-    """The device's tokenizer (edge_client.tokenizer.Tokenizer) as llguidance reads it, built once per file."""
-    key = str(tokenizer.path)
-    if key not in _TOKENIZERS:
-        from llguidance.llamacpp import lltokenizer_from_vocab
-
-        with warnings.catch_warnings():  # it reads each token through a llama.cpp call marked deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)
-            _TOKENIZERS[key] = lltokenizer_from_vocab(tokenizer._llm._model.vocab)
-    return _TOKENIZERS[key]
-
 
 class DraftMask:
     """A request's constraint, followed along the text after its prompt: `sync(context)` puts it where a draft
@@ -39,7 +22,7 @@ class DraftMask:
         import llguidance.numpy as llnp
 
         self._llnp = llnp
-        self.matcher = llguidance.LLMatcher(lltokenizer(tokenizer), constraint.grammar(), log_level=0)
+        self.matcher = llguidance.LLMatcher(tokenizer.grammar_tokenizer, constraint.grammar(), log_level=0)
         self.prompt_len, self.vocab = prompt_len, tokenizer.vocab_size
         self.consumed: list[int] = []
         self.broken = self.matcher.is_error()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import codecs
+import functools
+import warnings
 from pathlib import Path
 
 import jinja2.sandbox
@@ -38,6 +40,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         # add_bos defers to the GGUF's add_bos_token; special tokens in the text are parsed.
         return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    @functools.cached_property
+    def grammar_tokenizer(self):
+        """This vocabulary as llguidance reads it (for a request's constraint), built at first use: about a second."""
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        with warnings.catch_warnings():  # it reads each token through a llama.cpp call marked deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(self._llm._model.vocab)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._llm.detokenize([token_id], special=False)

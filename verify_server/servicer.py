@@ -142,7 +142,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     identity = await self._identify(msg.open, context)
                     # a constraint compiles off the event loop (a large schema takes seconds)
                     parse = functools.partial(codec.open_from_pb, msg.open, engine.vocab_size, cfg, identity,
-                                              getattr(engine, "grammars", None))
+                                              engine.grammars)
                     request = await asyncio.to_thread(parse) if msg.open.HasField("constraint") else parse()
                     decodes = request.server_decodes
                     verdicts: asyncio.Queue = asyncio.Queue()  # a session the server decodes: the engine's verdicts
