@@ -151,15 +151,49 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str  # JSON, as the call was answered
+
+
+class PastCall(BaseModel):
+    """A tool call an earlier assistant message made, sent back in the conversation."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[PastCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message that makes tool calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message makes tool calls")
+        return self
 
     def plain(self) -> dict:
-        """The message for the chat template: developer taken as system, text parts joined."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """The message for the chat template: developer taken as system, text parts joined, a past call's arguments
+        decoded (as Hugging Face's templates take them)."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            try:
+                out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+            except json.JSONDecodeError as err:
+                raise ValueError(f"a tool call's arguments are not JSON: {err}") from None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(_Request):
@@ -177,10 +211,13 @@ class ChatRequest(_Request):
                              f"among the tools ({', '.join(names) or 'none given'})")
         if self.tool_choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
-        if self.tools and self.tool_choice in (None, "auto"):
-            raise ValueError("tool_choice 'auto' is not supported by the SLED device agent: name the function, or "
-                             "ask for 'required' or 'none'")
         return self
+
+    def auto_tools(self) -> list[dict]:
+        """The tools the model may call or not (tool_choice auto, the default with tools), as templates take them."""
+        if not self.tools or self.tool_choice not in (None, "auto"):
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def forced_tools(self) -> list[Function]:
         """The functions one of which the answer must call ('required', or the one named), none otherwise."""

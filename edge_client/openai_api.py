@@ -17,6 +17,8 @@ from pydantic import ValidationError
 from .agent import Agent, AgentBusy, Completion
 from .api_models import ChatRequest, CompletionRequest, first_problem
 from .sampling import SamplingParams
+from .tokenizer import takes_tools
+from .tool_calls import Call, CallStream, tool_format
 from .transport import VerifyError
 
 log = logging.getLogger(__name__)
@@ -67,9 +69,7 @@ def with_tools(messages: list[dict], told: str | None) -> list[dict]:
 
 def tool_call(text: str) -> dict:
     """A forced call's text ({"name": ..., "arguments": {...}}, as its constraint made it) as OpenAI's tool call."""
-    call = json.loads(text)
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+    return Call(**json.loads(text)).openai()
 
 
 def _usage(c: Completion) -> dict:
@@ -173,17 +173,30 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await self._parse(request, ChatRequest)
-            messages = with_tools([m.plain() for m in req.messages], req.tool_prompt())
+            template = self.agent.tokenizer.chat_template
+            if template is None:
+                raise Refused(_error(400, f"{self.agent.tokenizer.path.name} carries no chat template",
+                                     param="messages"))
+            fmt, tools = tool_format(template), req.auto_tools()
+            native = takes_tools(template)  # the template writes the tools and past calls itself
             try:
-                text = await asyncio.to_thread(self.agent.tokenizer.chat_prompt, messages)
-            except ValueError as err:  # a model without a chat template
-                raise Refused(_error(400, str(err), param="messages")) from None
+                messages = [m.plain() for m in req.messages]
+            except ValueError as err:
+                raise Refused(_error(400, f"'messages': {err}", param="messages")) from None
+            if not native:
+                messages = [fmt.history(m) if m["role"] == "tool" or "tool_calls" in m else m for m in messages]
+            told = req.tool_prompt() or (fmt.prompt(tools) if tools and not native else None)
+            text = await asyncio.to_thread(self.agent.tokenizer.chat_prompt, with_tools(messages, told),
+                                           tools=tools if native else None)
             prompt_ids = await self._encode(text)
         except Refused as refused:
             return refused.response
-        return await self._run(request, req, prompt_ids, chat=True)
+        auto = (fmt, {t["function"]["name"] for t in tools}) if tools else None
+        return await self._run(request, req, prompt_ids, chat=True, auto=auto)
 
-    async def _run(self, request, req, prompt_ids, chat):
+    async def _run(self, request, req, prompt_ids, chat, auto=None):
+        """Generate and answer. `auto`: the tool-call format and the tools' names where the model may call a tool
+        (tool_choice auto): calls found in its answer are answered as tool_calls."""
         sampling, max_tokens = _sampling(req, self.agent)
         stops, stream = req.stops, req.stream
         calls = chat and bool(req.forced_tools())  # a forced tool call: answered as tool_calls
@@ -232,6 +245,12 @@ class OpenAIServer:
             if calls and c.finish_reason == "stop":  # the call is complete: OpenAI's tool_calls, not text
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": [tool_call(c.text)]}
                 choice["finish_reason"] = "tool_calls"
+            elif auto is not None and c.finish_reason == "stop":
+                content, found = auto[0].parse(c.text, auto[1])
+                if found:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": [f.openai() for f in found]}
+                    choice["finish_reason"] = "tool_calls"
             return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
                                       "choices": [choice], "usage": _usage(c), "sled": _sled(c)})
 
@@ -257,7 +276,13 @@ class OpenAIServer:
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             queue.put_nowait(first)
         # a tool call's text is sent whole once complete, as OpenAI's tool-call delta
-        heard = None if calls else (lambda t, ok: queue.put_nowait(event(t, ok)))
+        held = CallStream(*auto) if auto is not None else None  # auto: text streams, a call is held to the end
+
+        def heard(t, ok):
+            if held is not None:
+                t = held.feed(t)
+            if t and not calls:
+                queue.put_nowait(event(t, ok))
         task = asyncio.create_task(self.agent.complete(asked, stops, on_text=heard, gone=gone))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
@@ -276,6 +301,15 @@ class OpenAIServer:
                     finish = "tool_calls"
                 elif calls:  # cut short: the text as it came
                     await resp.write(f"data: {json.dumps(event(c.text))}\n\n".encode())
+                elif held is not None:
+                    rest, found = held.finish() if finish == "stop" else (held.text[held.sent:], [])
+                    if rest:
+                        await resp.write(f"data: {json.dumps(event(rest))}\n\n".encode())
+                    for i, f in enumerate(found):
+                        delta = event(None)
+                        delta["choices"][0]["delta"] = {"tool_calls": [{"index": i, **f.openai()}]}
+                        await resp.write(f"data: {json.dumps(delta)}\n\n".encode())
+                    finish = "tool_calls" if found else finish
                 final = event(None if chat else "", finish=finish, extra={"sled": _sled(c)})
                 if req.stream_options is not None and req.stream_options.include_usage:
                     final["usage"] = _usage(c)

@@ -7,6 +7,7 @@ import functools
 import warnings
 from pathlib import Path
 
+import jinja2.meta
 import jinja2.sandbox
 
 from sled.v1.fingerprint import vocab_fingerprint
@@ -59,13 +60,32 @@ class Tokenizer:
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        template = self._llm.metadata.get("tokenizer.chat_template")
-        if not template:
+    @property
+    def chat_template(self) -> str | None:
+        return self._llm.metadata.get("tokenizer.chat_template") or None
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+                    ) -> str:
+        if not self.chat_template:
             raise ValueError(f"{self.path.name} carries no chat template")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token="", eos_token="")
+        return render_chat(self.chat_template, messages, add_generation_prompt, tools)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template), "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+
+
+def takes_tools(template: str) -> bool:
+    """Whether a chat template renders the tools itself (it reads a `tools` variable)."""
+    return _compiled(template)[1]
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    return _compiled(template)[0].render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token="", eos_token="", tools=tools or None)
 
 
 class StreamDecoder:

@@ -117,6 +117,13 @@ def test_a_forced_tool_call_answers_tool_calls_plain_and_streamed(agent):
     assert required.message.tool_calls[0].function.name in ("get_weather", "get_news")
     plain = client.chat.completions.create(**ask, tool_choice="none").choices[0]
     assert plain.message.tool_calls is None and plain.message.content
+    # auto: the model is told the tools in the format its template teaches, and may answer either way
+    auto = client.chat.completions.create(**ask).choices[0]
+    if auto.message.tool_calls:
+        assert auto.finish_reason == "tool_calls"
+        assert all(c.function.name in ("get_weather", "get_news") for c in auto.message.tool_calls)
+    else:
+        assert auto.message.content and auto.finish_reason in ("stop", "length")
 
 
 def test_tool_choices_the_agent_cannot_honour_are_400s(agent):
@@ -125,8 +132,6 @@ def test_tool_choices_the_agent_cannot_honour_are_400s(agent):
     with pytest.raises(BadRequestError, match="names the function 'get_time', which is not among the tools"):
         client.chat.completions.create(**ask, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "get_time"}})
-    with pytest.raises(BadRequestError, match="'auto' is not supported"):
-        client.chat.completions.create(**ask, tools=[WEATHER])
     with pytest.raises(BadRequestError, match="needs tools"):
         client.chat.completions.create(**ask, tool_choice="required")
     with pytest.raises(BadRequestError, match="'tools': json_schema: "):
