@@ -27,6 +27,8 @@ COMMANDS = {
     "fly": ("bench.fly", "FLy's loose verification against exact on HumanEval: acceptance length, speed, accuracy"),
     "structured": ("bench.structured", "JSON Schemas and a tool call under the constraint: server-only, drafts "
                                        "unmasked and masked, free text: validity, acceptance, speed"),
+    "grammars": ("bench.grammars", "the verifier's grammar library: llguidance against xgrammar, compile and "
+                                   "per-token mask times on the target's tokenizer"),
 }
 
 
