@@ -26,6 +26,8 @@ class DraftMask:
         self.prompt_len, self.vocab = prompt_len, tokenizer.vocab_size
         self.consumed: list[int] = []
         self.broken = self.matcher.is_error()
+        self.jumps = False  # whether a drafter under it takes the tokens it forces after each token (jump)
+        self.forced_tokens = 0  # drafted by the constraint alone
         self._bits = llnp.allocate_token_bitmask(1, self.vocab)
 
     def sync(self, context) -> bool:
@@ -60,16 +62,32 @@ class DraftMask:
         choice or the text left it."""
         return list(self.matcher.compute_ff_tokens()) if self.sync(context) else []
 
+    def jump(self, room: int) -> list[int]:
+        """Mid-draft, where jumps are on: up to `room` tokens the constraint forces after the tokens advanced so far,
+        advanced past and counted."""
+        if not self.jumps or self.broken or room <= 0:
+            return []
+        forced = list(self.matcher.compute_ff_tokens())[:room]
+        forced = forced[:next((i for i, t in enumerate(forced) if not self.advance(t)), len(forced))]
+        self.forced_tokens += len(forced)
+        return forced
+
 
 class Constrained:
     """A drafter under a request's constraint. With `forced`, the tokens the constraint forces come first at no
     drafting cost (SGLang's jump-forward; the server still verifies them) and the drafter drafts the rest; with
-    `masked`, a model drafter draws only what the constraint allows. Everything else is the drafter's."""
+    `masked`, a model drafter draws only what the constraint allows, and with both it also takes the tokens forced
+    after each token it draws without drafting them. Everything else is the drafter's."""
 
     def __init__(self, drafter, mask: DraftMask, masked: bool, forced: bool):
         self.drafter, self.mask, self.use_forced = drafter, mask, forced
-        self.forced_tokens = 0  # drafted by the constraint alone
         self._constrain = getattr(drafter, "constrain", None) if masked else None  # model drafters have it
+        mask.jumps = forced and self._constrain is not None
+
+    @property
+    def forced_tokens(self) -> int:
+        """Tokens drafted by the constraint alone."""
+        return self.mask.forced_tokens
 
     def __getattr__(self, name):
         return getattr(self.drafter, name)
@@ -88,7 +106,7 @@ class Constrained:
         forced = self.mask.forced(context)[:k] if self.use_forced else []
         if not forced:
             return self.drafter.propose(context, k, stop)
-        self.forced_tokens += len(forced)
+        self.mask.forced_tokens += len(forced)
         head = Proposal(forced, confidence=[1.0] * len(forced))
         return head if len(forced) == k else head.then(self.drafter.propose(list(context) + forced,
                                                                            k - len(forced), stop))

@@ -124,7 +124,8 @@ class KVDrafter:
         confidence: list[float] = []
         q_ids: list[np.ndarray] = []
         q_probs: list[np.ndarray] = []
-        for i in range(k):
+        while len(tokens) < k:
+            i = len(tokens)
             logits = rows[i] if i <= len(guesses) else self._logits  # rows past a dropped guess are stale
             if mask is not None:
                 logits = mask.apply(logits)
@@ -154,14 +155,24 @@ class KVDrafter:
             if guessed and x == guesses[i]:
                 self.guesses_kept += 1  # its row, the next position's logits, is already in `rows`
             elif guessed:
-                guesses = guesses[:i]  # the rest were guessed after a token not drawn: drop their cache entries
+                guesses = guesses[:i]  # the rest were guessed after a token not drafted: drop their cache entries
                 self.rollback(len(context) + i)
                 if upto_miss:
                     break
-            if x == self.eos or (stop is not None and not stop.more()):
+            if x == self.eos:
                 break
-            if i < k - 1 and i >= len(guesses):
-                self._feed([x])
+            drawn = i >= len(guesses)  # x is not yet in the cache
+            # tokens the constraint forces next: taken without drafting (q = 1 on each; the server verifies them)
+            forced = mask.jump(k - len(tokens)) if mask is not None and drawn else []
+            tokens += forced
+            confidence += [1.0] * len(forced)
+            if not s.greedy:
+                q_ids += [np.array([t], dtype=np.int64) for t in forced]
+                q_probs += [np.ones(1, dtype=np.float32) for _ in forced]
+            if stop is not None and not stop.more():
+                break
+            if len(tokens) < k and drawn:
+                self._feed([x] + forced)
         if s.greedy:
             return Proposal(tokens, confidence=confidence)
         return Proposal(tokens, q_ids, q_probs, confidence=confidence)
