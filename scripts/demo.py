@@ -1,9 +1,12 @@
-"""make demo: start a verify server and a device on this machine, generate, print text and statistics, stop all."""
+"""make demo: start a verify server and a device on this machine, generate, print text and statistics; then a fleet
+of devices on emulated hardware against server-only; stop all."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,6 +21,60 @@ PROMPTS = [
     ("llama-cpp", "Write a short poem about a lighthouse."),
     ("none", "Explain in two sentences why the sky is blue."),
 ]
+FLEET = 8  # devices in the demo's second part
+FLEET_TOKENS = 48  # tokens a request there
+FLEET_SECONDS = 6.0  # each mode's measured window, after a 2 s warm-up
+
+
+def fleet(address: str) -> bool:
+    """FLEET devices on emulated hardware: each replays the real llama.cpp drafter's drafts, recorded along the
+    target's answers, at that drafter's speed measured on this machine, as sled-bench capacity does; so the devices
+    do not draft on the server's cores. Against FLEET server-only devices (the server decodes every token)."""
+    from bench.capacity import MODES
+    from bench.load import run_window, summarize
+    from bench.replay import (DraftClock, ReplayDrafter, drafting_ms_alone, measure_prefill, prefill_tokens,
+                              record_tables)
+    from bench.runner import prompts
+    from edge_client.drafters import create_drafter
+    from edge_client.drafters.base import DrafterOptions
+    from edge_client.policy import DraftPolicy
+    from edge_client.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer()
+    ids = prompts(tokenizer, 4)
+    print(f"\n[demo] {FLEET} devices at once, on emulated hardware: measuring the llama.cpp drafter's speed here, "
+          "then recording its drafts along the target's answers ...", flush=True)
+    drafter = create_drafter("llama-cpp", DrafterOptions(context_size=512))
+    try:
+        spt = statistics.median(drafting_ms_alone(drafter, ids[0], 32)) / 1000
+        prefill_spt = measure_prefill(drafter, ids, spt)[0]
+    finally:
+        drafter.close()
+    tables, fulls, confidences = record_tables(address, tokenizer, ids, FLEET_TOKENS)
+    prefill_s = [n * prefill_spt for n in prefill_tokens(ids)]
+    rows = {}
+    for mode, policy in MODES.items():
+        print(f"[demo] {FLEET} {mode} devices for {FLEET_SECONDS:g} s ...", flush=True)
+        clock = DraftClock()
+        make = (lambda p: create_drafter("none")) if policy is None else (
+            lambda p: ReplayDrafter(tables[p], spt, fulls[p], confidences[p], clock, prefill_s[p]))
+        window = asyncio.run(run_window(address, tokenizer, make, ids, FLEET, FLEET_TOKENS, policy or DraftPolicy(0),
+                                        2.0, FLEET_SECONDS))
+        rows[mode] = summarize(mode, FLEET, window)
+    print(f"\n[demo] {FLEET} devices (drafting replayed at {spt * 1000:.1f} ms/token, the drafter's speed measured "
+          f"here; requests of {FLEET_TOKENS} greedy tokens back to back)")
+    print(f"  {'mode':12} {'system tok/s':>12} {'p50 TPOT ms':>11} {'p95 TPOT ms':>11} {'p95 TTFT ms':>11}")
+    for mode, r in rows.items():
+        print(f"  {mode:12} {r['system_tokens_per_s']:12.1f} {r['p50_tpot_ms']:11.1f} {r['p95_tpot_ms']:11.1f} "
+              f"{r['p95_ttft_ms']:11.0f}")
+    sled, base = rows["sled"], rows["server-only"]
+    if not base["system_tokens_per_s"]:
+        print("[demo] server-only committed nothing in its window", file=sys.stderr)
+        return False
+    print(f"  SLED / server-only: {sled['system_tokens_per_s'] / base['system_tokens_per_s']:.2f}x the tokens a "
+          "second (TPOT: a request's time after its first tokens, per token; sled-bench capacity finds the most "
+          "devices within a TPOT target)")
+    return True
 
 
 def main() -> int:
@@ -29,7 +86,7 @@ def main() -> int:
     print(f"[demo] starting sled-server on 127.0.0.1:{port} (target: SmolLM2-135M-Instruct, float32 on CPU; "
           f"log {log})", flush=True)
     with open(log, "w") as out:
-        server = subprocess.Popen([BIN / "sled-server", "--port", str(port), "--max-sessions", "4",
+        server = subprocess.Popen([BIN / "sled-server", "--port", str(port), "--max-sessions", str(FLEET),
                                    "--max-seq-len", "1024"], stdout=out, stderr=subprocess.STDOUT)
     try:
         start = time.time()
@@ -70,8 +127,9 @@ def main() -> int:
         print("  (none = the server decodes every token: the server-only baseline)")
         print("  (here the drafter and the server share this machine's cores: the device drafts only between its "
               "verdicts\n   (--no-draft-ahead), and SLED's gain is what is left after drafting's share of the "
-              "cores;\n   real devices draft on their own hardware: sled-bench system measures that, "
-              "docs/benchmarks.md)")
+              "cores;\n   real devices draft on their own hardware: the next part emulates that)")
+        if not fleet(f"127.0.0.1:{port}"):
+            return 1
         print(f"\n[demo] the server's view: sled-edge info --server 127.0.0.1:{port}", flush=True)
         done = subprocess.run([BIN / "sled-edge", "info", "--server", f"127.0.0.1:{port}"])
         if done.returncode != 0:
