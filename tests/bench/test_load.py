@@ -297,8 +297,10 @@ def test_sled_bench_capacity_raises_the_count_until_the_target_and_names_what_st
         assert set(c) == {"mode", "devices", "system_tokens_per_s", "bound", "slo"}
         assert c["devices"] == 4 and c["bound"] == "largest count tried" and c["system_tokens_per_s"] > 0
         assert c["slo"] == {"p95_tpot_ms": 1000.0, "p95_ttft_ms": 60000.0}
-    for r in got["rows"]:  # every count timed whole requests, their TPOT at least the padded step
-        assert r["requests_timed"] > 0 and 5.0 <= r["p50_tpot_ms"] <= r["p95_tpot_ms"] and r["p95_ttft_ms"] > 0
+    for r in got["rows"]:  # every count timed whole requests; server-only's TPOT is at least the padded step (a
+        # SLED round commits several tokens in one step, so its TPOT may be below it)
+        assert r["requests_timed"] > 0 and 0 < r["p50_tpot_ms"] <= r["p95_tpot_ms"] and r["p95_ttft_ms"] > 0
+        assert r["mode"] == "sled" or r["p50_tpot_ms"] >= 5.0
         assert {"p50_inter_token_ms", "p95_inter_token_ms", "system_tokens_per_s"} <= set(r)
     text = md.read_text()
     assert "## Capacity at a latency target" in text and "| sled | 4 |" in text and "largest count tried" in text
