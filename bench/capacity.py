@@ -76,8 +76,10 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def sweep(args, tokenizer, ids, drafting: Drafting, log=_say) -> tuple[list[dict], list[dict], object]:
-    """Every count while any mode still meets the target; returns the rows, each mode's capacity, the server's Info."""
+def sweep(args, tokenizer, ids, drafting: Drafting, log=_say, recorded: list | None = None
+          ) -> tuple[list[dict], list[dict], object]:
+    """Every count while any mode still meets the target; returns the rows, each mode's capacity, the server's Info.
+    `recorded`, where given, receives the drafts replayed (tables, greedy outputs, confidences)."""
     from sim.processes import ServerProcess
 
     rows, bounds, reached, info = [], {}, {}, None
@@ -96,7 +98,10 @@ def sweep(args, tokenizer, ids, drafting: Drafting, log=_say) -> tuple[list[dict
                 break
             raise
         try:
-            drafts = drafts or replayed(address, tokenizer, ids, args)
+            if drafts is None:
+                drafts = replayed(address, tokenizer, ids, args)
+                if recorded is not None:
+                    recorded.append(drafts)
             for mode in active:
                 row = run_count(address, tokenizer, ids, drafts, drafting, args, n, mode)
                 rows.append(row)

@@ -27,6 +27,8 @@ COMMANDS = {
     "fly": ("bench.fly", "FLy's loose verification against exact on HumanEval: acceptance length, speed, accuracy"),
     "structured": ("bench.structured", "JSON Schemas and a tool call under the constraint: server-only, drafts "
                                        "unmasked and masked, free text: validity, acceptance, speed"),
+    "fleet": ("bench.fleet", "a calibrated discrete-event model of devices and one server: capacity at a TPOT target "
+                             "on named GPUs and targets, checked against this CPU's capacity run"),
     "grammars": ("bench.grammars", "the verifier's grammar library: llguidance against xgrammar, compile and "
                                    "per-token mask times on the target's tokenizer"),
 }
