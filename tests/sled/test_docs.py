@@ -83,6 +83,20 @@ def test_readmes_gpu_rows_are_the_gpu_sections_figures():
     assert re.search(rf"\| 1 \| 1 \| [\d.]+ \| [\d.]+ \| {re.escape(ratio)} \|", step), ratio
 
 
+def test_readmes_modelled_rows_are_the_fleet_models_figures():
+    readme = (ROOT / "README.md").read_text()
+    fleet = section((ROOT / "docs" / "benchmarks.md").read_text(),
+                    "Fleet model: capacity on GPUs, calibrated on this CPU")
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in readme.splitlines()
+            if line.startswith("| modelled:")]
+    assert len(rows) == 3
+    for server, figure, sled, base, ratio, drafts, heading in rows:
+        assert heading == "Fleet model" and figure == "capacity at the target, Jetson Orin Nano devices"
+        name, ms = server.removeprefix("modelled: "), drafts.removesuffix(" ms/token")
+        row = f"| {name} | Jetson Orin Nano ({ms}) | 50 ms | {sled.split()[0]} | {base.split()[0]} | {ratio} |"
+        assert row in fleet, row
+
+
 def named_commands(text: str) -> set[str]:
     """The commands a doc shows: code spans and the lines of code blocks that run sled-*, make, python -m or a file
     of the repository."""
