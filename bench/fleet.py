@@ -497,10 +497,19 @@ def workload_of(ids: list[list[int]], tokens: int) -> Workload:
 def build_parser():
     import argparse
 
-    from .cli import positive
+    from .cli import counts_arg, positive
+
+    def targets(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated milliseconds, got {text!r}") from None
+        if not all(v > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"targets must be above 0 ms, got {text!r}")
+        return values
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calibrate-devices", default="1,2,4,8,16", metavar="N,N,...",
+    p.add_argument("--calibrate-devices", type=counts_arg, default=counts_arg("1,2,4,8,16"), metavar="N,N,...",
                    help="device counts of the calibration: sled-bench capacity's run on this CPU, with the model's "
                         "prediction of each count beside it (default 1,2,4,8,16)")
     p.add_argument("--calibrate-repeats", type=positive(int), default=3,
@@ -508,7 +517,8 @@ def build_parser():
     p.add_argument("--max-tokens", type=positive(int), default=64, help="tokens a request (default 64)")
     p.add_argument("--seconds", type=positive(), default=8.0,
                    help="the measured window of each calibration run (default 8); the model runs 60 s")
-    p.add_argument("--slo-tpot-ms", default="20,50", help="p95 TPOT targets of the scenarios (default 20,50)")
+    p.add_argument("--slo-tpot-ms", type=targets, default=targets("20,50"),
+                   help="p95 TPOT targets of the scenarios, comma-separated (default 20,50)")
     p.add_argument("--slo-ttft-ms", type=positive(), default=2000.0, help="p95 TTFT target (default 2000)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--markdown", default=None, help="the file whose section is rewritten (default docs/benchmarks.md)")
@@ -568,16 +578,14 @@ def main(args) -> int:
     from pathlib import Path
 
     from . import capacity as measured
-    from .cli import counts_arg
     from .options import check_system_args
     from .report import publish
     from .runner import prompts
     from .system import measure_drafting
     from .tokenizers import device_tokenizer
 
-    counts = counts_arg(args.calibrate_devices)
-    slos = [float(x) for x in args.slo_tpot_ms.split(",")]
-    cargs = measured.build_parser().parse_args(["--devices", args.calibrate_devices,
+    counts, slos = args.calibrate_devices, args.slo_tpot_ms
+    cargs = measured.build_parser().parse_args(["--devices", ",".join(map(str, counts)),
                                                 "--repeats", str(args.calibrate_repeats),
                                                 "--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds),
                                                 "--slo-tpot-ms", "1e9", "--slo-ttft-ms", "1e9"])

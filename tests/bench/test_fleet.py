@@ -93,3 +93,14 @@ def test_the_fit_weighs_each_step_size_by_its_steps_where_the_rows_report_them()
     rows = [{"server_step_sizes": [[1, 50.0, 10.5], [5, 20.0, 12.5]]}, {"server_step_sizes": [[9, 5.0, 14.5]]}]
     fit = fit_cost(rows)
     assert (fit.fixed_s, fit.token_s) == pytest.approx((0.010, 0.0005), rel=1e-6)
+
+
+@pytest.mark.parametrize("argv, says", [(["--slo-tpot-ms", "abc"], "comma-separated milliseconds"),
+                                        (["--slo-tpot-ms", "0,50"], "above 0 ms"),
+                                        (["--calibrate-devices", "0"], "at least 1")])
+def test_bad_options_are_argparse_errors(argv, says, capsys):
+    from bench.fleet import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert says in capsys.readouterr().err
