@@ -195,7 +195,9 @@ class Fleet:
         self.last_done = 0.0
         self.steps: list[tuple[float, int]] = []
         self.latencies: list[tuple[float, float]] = []
-        self.tokens = 0
+        self.tokens = 0  # committed inside the window
+        self.current: tuple[list[int], list[int], list[int]] = ([], [], [])  # the step's drafts, decodes, prompts done
+        self.warmup_s, self.end = 0.0, 0.0  # the window, set by run()
 
     def at(self, t: float, kind: str, d: int = -1) -> None:
         self.seq += 1
