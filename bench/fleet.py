@@ -29,7 +29,7 @@ from edge_client.adaptive import RoundSample
 from edge_client.policy import DraftPolicy
 from edge_client.round import RoundRules
 
-K_MAX = 8
+from .replay import K_MAX  # the replayed devices' longest draft, as sled-bench capacity runs them
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,6 @@ class Fleet:
         self.mode, self.n, self.d, self.w, self.s = mode, n, devices, workload, server
         self.rng = random.Random(seed)
         policy = DraftPolicy(adaptive=True, max_draft_tokens=K_MAX)  # as sled-bench capacity's devices
-        self.policy = policy
         self.devs = [_Dev(RoundRules(policy, policy.controller()) if mode == "sled" else None,
                           random.Random(self.rng.random()), i % len(workload.prompts)) for i in range(n)]
         self.events: list = []
