@@ -70,7 +70,7 @@ def _sweep(text: str) -> list[int]:
 
 
 class Bench:
-    """The target, one session's KV slot, and a runner per kernel, with the prefill and the step they time."""
+    """The target, one session's KV blocks, and a runner per kernel, with the prefill and the step they time."""
 
     def __init__(self, args):
         import torch
@@ -84,16 +84,16 @@ class Bench:
         self.target = load_target(None, torch.device("cpu"), torch.float32)
         self.cfg = cfg = self.target.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads,
-                          args.context + max(args.sweep + [1]) + 8, head_dim, torch.float32, torch.device("cpu"))
+        seq = args.context + max(args.sweep + [1]) + 8
+        self.kv = KVCache.create(cfg.num_hidden_layers, seq, 16, cfg.num_key_value_heads, head_dim, torch.float32,
+                                 torch.device("cpu"), seq)
         self.runners = {k: self.make(k) for k in args.kernels}
         self.wbytes = sum(p.numel() * p.element_size() for p in self.target.model.parameters())
-        self.slot = slot = self.kv.allocate()
+        self.table = table = tuple(self.kv.blocks.allocate(self.kv.num_blocks))
         ids = torch.randint(3, cfg.vocab_size, (args.context + 1,), generator=torch.Generator().manual_seed(0))
-        self.prefill = ModelInput(ids[:-1], torch.arange(args.context), torch.full((args.context,), slot),
-                                  [Segment(slot, 0, args.context, args.context)], torch.tensor([args.context - 1]))
-        self.step = ModelInput(ids[-1:], torch.tensor([args.context]), torch.tensor([slot]),
-                               [Segment(slot, 0, 1, args.context + 1)], torch.tensor([0]))
+        self.prefill = ModelInput.build(ids[:-1].tolist(), [Segment(table, 0, args.context, args.context, 16)],
+                                        [args.context - 1])
+        self.step = ModelInput.build(ids[-1:].tolist(), [Segment(table, 0, 1, args.context + 1, 16)], [0])
 
     def make(self, kind: str):
         from verify_server.model_runner import ModelRunner
@@ -188,8 +188,8 @@ def sweep(bench: Bench, args) -> tuple[list[dict], list[str]]:
     ids = torch.randint(3, bench.cfg.vocab_size, (max(args.sweep),), generator=torch.Generator().manual_seed(1))
     for _ in tqdm(range(args.rounds), desc="sweep", unit="round"):
         for n in args.sweep:
-            inp = ModelInput(ids[:n], torch.arange(args.context, args.context + n), torch.full((n,), bench.slot),
-                             [Segment(bench.slot, 0, n, args.context + n)], torch.arange(n))
+            inp = ModelInput.build(ids[:n].tolist(), [Segment(bench.table, 0, n, args.context + n, 16)],
+                                   list(range(n)))
             for name, runner in (("fused", fused), ("pytorch", pytorch)):
                 runner.forward(inp)
                 for _ in range(max(args.steps // 4, 3)):

@@ -49,15 +49,15 @@ def check_attention(torch, device, dtype, heads: int, kv_heads: int, head_dim: i
     shape = [(s, (9, 1, 9, 5, 40)[s % 5], 60 + 37 * s) for s in range(24)]
     segments, start = [], 0
     for slot, length, context in shape:
-        segments.append(Segment(slot, start, length, context))
+        segments.append(Segment((slot,), start, length, context, 1024))  # one block of 1024 positions each
         start += length
-    k = torch.randn(len(shape), kv_heads, 1024, head_dim, generator=g, device=device)
-    v = torch.randn(len(shape), kv_heads, 1024, head_dim, generator=g, device=device)
+    k = torch.randn(kv_heads, len(shape) * 1024, head_dim, generator=g, device=device)
+    v = torch.randn(kv_heads, len(shape) * 1024, head_dim, generator=g, device=device)
     q = torch.randn(start, heads, head_dim, generator=g, device=device)
     want = attention_reference(q, k, v, segments, head_dim ** -0.5).float()
     for seg in segments:
-        k[seg.slot, :, seg.context_len:] = float("nan")
-        v[seg.slot, :, seg.context_len:] = float("nan")
+        k.view(kv_heads, len(shape), 1024, head_dim)[:, seg.blocks[0], seg.context_len:] = float("nan")
+        v.view(kv_heads, len(shape), 1024, head_dim)[:, seg.blocks[0], seg.context_len:] = float("nan")
     errors = {"what": f"{len(segments)} segments of 1-40 tokens over 60-911 keys, {dtype}"}
     for name in ("sdpa", "segments"):
         prepare, attend = ATTENTION[name]
@@ -87,12 +87,15 @@ class Setup:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.growing = 2 * args.rounds * args.growing_steps  # distinct contexts per configuration, both variants
         seq = args.context + self.growing + max(args.tokens) + 1
-        kv = KVCache(cfg.num_hidden_layers, max(args.sessions), cfg.num_key_value_heads, seq, self.head_dim,
-                     self.dtype, self.device)
+        # One block of seq positions per session: each reads its keys as one view.
+        kv = KVCache(cfg.num_hidden_layers, max(args.sessions), seq, cfg.num_key_value_heads, self.head_dim,
+                     self.dtype, self.device, seq)
+        self.seq = seq
         g = torch.Generator(device=self.device).manual_seed(0)
         # Cached keys and values of the scale a real forward writes; positions past the context stay unwritten.
-        kv.k[:, :, :, :args.context].normal_(generator=g).mul_(0.5)
-        kv.v[:, :, :, :args.context].normal_(generator=g).mul_(0.5)
+        per_session = (cfg.num_hidden_layers, cfg.num_key_value_heads, max(args.sessions), seq, self.head_dim)
+        kv.k.view(per_session)[..., :args.context, :].normal_(generator=g).mul_(0.5)
+        kv.v.view(per_session)[..., :args.context, :].normal_(generator=g).mul_(0.5)
         self.runners = {name: ModelRunner(self.target.model, kv, name, fused="off") for name in ("segments", "sdpa")}
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.target.model.parameters())
         self.bandwidth = copy_bandwidth(repeats=10, device=self.device)
@@ -106,10 +109,9 @@ class Setup:
         from verify_server.model_runner import ModelInput
 
         ctx = self.args.context + extra
-        segs = [Segment(s, s * t, t, ctx + t) for s in range(n)]
+        segs = [Segment((s,), s * t, t, ctx + t, self.seq) for s in range(n)]
         ids = torch.randint(0, self.target.vocab_size, (n * t,), generator=torch.Generator().manual_seed(n * 100 + t))
-        return ModelInput(token_ids=ids, positions=torch.arange(ctx, ctx + t).repeat(n),
-                          slots=torch.arange(n).repeat_interleave(t), segments=segs, logit_rows=torch.arange(n * t))
+        return ModelInput.build(ids.tolist(), segs, list(range(n * t)))
 
     def timed(self, runner, inp) -> float:
         import torch

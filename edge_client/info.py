@@ -33,7 +33,11 @@ def describe_info(info) -> str:
              f"vocabulary: {info.vocab_size} tokens (fingerprint {info.tokenizer_fingerprint[:16]}), "
              f"EOS {', '.join(map(str, info.eos_token_ids)) or 'none'}",
              f"limits: context {info.context_limit} tokens, drafts of up to {info.max_draft_tokens} tokens, "
-             f"{info.max_sessions} sessions ({st.active_sessions} open, {st.free_slots} KV slots free)"]
+             f"{info.max_sessions} sessions ({st.active_sessions} open, {st.free_slots} more may open)"]
+    if st.kv_blocks_total:  # a server older than the paged pool leaves it 0
+        lines.append(f"KV pool: {st.kv_blocks_total} blocks of {st.kv_block_size} tokens: {st.kv_blocks_used} used, "
+                     f"{st.kv_blocks_free} free, {st.kv_blocks_shared} shared by several sessions, "
+                     f"{st.kv_blocks_cached} holding a cached prefix")
     if info.device:  # a server older than the kernel fields leaves them empty
         lines.append(f"kernels: {describe_kernels(info)}")
     line = f"since start: {st.sessions_opened} sessions, {st.steps} steps, {st.verifications} verifications"
@@ -50,8 +54,8 @@ def describe_info(info) -> str:
                      f"accepted (acceptance {st.accepted_tokens / st.draft_tokens:.2f})"
                      + (f", {st.loosely_accepted_tokens} of them by a loose rule" if st.loosely_accepted_tokens else ""))
     if st.prefill_tokens or st.prefix_cache_hit_tokens:
-        lines.append(f"prefill: {st.prefill_tokens} prompt tokens computed, {st.prefix_cache_hit_tokens} copied from "
-                     "the prefix cache")
+        lines.append(f"prefill: {st.prefill_tokens} prompt tokens computed, {st.prefix_cache_hit_tokens} shared from "
+                     "cached prefix blocks")
     return "\n".join(lines)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -10,30 +12,48 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class Segment:
-    """New tokens [start, start + length) of the flat batch belong to cache slot `slot`;
-    after they are written, positions [0, context_len) of the slot are valid."""
+    """New tokens [start, start + length) of the flat batch belong to the session with block table `blocks`;
+    after they are written, positions [0, context_len) of it are valid. Position p of the session lives at row
+    blocks[p // block_size] * block_size + p % block_size of the pool."""
 
-    slot: int
+    blocks: tuple[int, ...]
     start: int
     length: int
     context_len: int
+    block_size: int
+
+    @functools.cached_property
+    def keys(self) -> slice | torch.Tensor:
+        """The pool rows of positions [0, context_len): a slice (a view, no copy) where its blocks are
+        consecutive, else an index."""
+        n, bs = self.context_len, self.block_size
+        used = self.blocks[: -(-n // bs)]
+        if all(b == used[0] + i for i, b in enumerate(used)):
+            first = used[0] * bs if used else 0
+            return slice(first, first + n)
+        return (torch.tensor(used, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()[:n]
+
+
+def slot_segment(slot: int, start: int, length: int, context_len: int, max_seq_len: int) -> Segment:
+    """A session that holds one block of max_seq_len positions (the pool as one slot per session)."""
+    return Segment((slot,), start, length, context_len, max_seq_len)
 
 
 def attention_reference(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
-    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    k_cache: torch.Tensor,  # [num_kv_heads, pool_rows, head_dim]
+    v_cache: torch.Tensor,  # [num_kv_heads, pool_rows, head_dim]
     segments: list[Segment],
     scale: float,
     window: int | None = None,  # sliding-window attention: each query sees its last `window` positions only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Plain math, one segment at a time: softmax(q k^T * scale + causal mask) v, heads grouped."""
     out = torch.empty_like(q)
-    num_heads, num_kv = q.shape[1], k_cache.shape[1]
+    num_heads, num_kv = q.shape[1], k_cache.shape[0]
     for seg in segments:
         qs = q[seg.start : seg.start + seg.length].transpose(0, 1).float()  # [heads, L, d]
-        ks = k_cache[seg.slot, :, : seg.context_len].float().repeat_interleave(num_heads // num_kv, 0)
-        vs = v_cache[seg.slot, :, : seg.context_len].float().repeat_interleave(num_heads // num_kv, 0)
+        ks = k_cache[:, seg.keys].float().repeat_interleave(num_heads // num_kv, 0)
+        vs = v_cache[:, seg.keys].float().repeat_interleave(num_heads // num_kv, 0)
         scores = qs @ ks.transpose(1, 2) * scale  # [heads, L, ctx]
         query_pos = torch.arange(seg.context_len - seg.length, seg.context_len, device=q.device)
         key_pos = torch.arange(seg.context_len, device=q.device)
@@ -72,13 +92,14 @@ MATMUL_MAX_TOKENS = 32
 
 def attention_sdpa(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
-    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    k_cache: torch.Tensor,  # [num_kv_heads, pool_rows, head_dim]
+    v_cache: torch.Tensor,  # [num_kv_heads, pool_rows, head_dim]
     segments: list[Segment],
     scale: float,
     masks: list[torch.Tensor | None] | None = None,  # from causal_masks(..., groups, q.dtype)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Fused scaled_dot_product_attention on views of the cache, no copy of the cache; on CPU, segments of up to
+    """Fused scaled_dot_product_attention on each segment's keys (views of the pool where its blocks are
+    consecutive, else gathered); on CPU, segments of up to
     MATMUL_MAX_TOKENS tokens in float32 as softmax(q k^T * scale + mask) v in two batched matmuls instead.
 
     Grouped-query attention without expanding K and V: the `groups` query heads that share a KV head
@@ -86,7 +107,7 @@ def attention_sdpa(
     exact since query rows are independent, and keeps torch on its fused kernel (enable_gqa would send
     it to the unfused math path on CPU, copying K and V).
     """
-    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
     groups = heads // kv_heads
     if masks is None:
         masks = causal_masks(segments, q.device, groups, q.dtype)
@@ -95,8 +116,8 @@ def attention_sdpa(
     for seg, mask in zip(segments, masks):
         n = seg.length
         qs = q[seg.start : seg.start + n].transpose(0, 1).reshape(kv_heads, groups * n, dim)
-        ks = k_cache[seg.slot, :, : seg.context_len]  # [kv_heads, ctx, d], a view
-        vs = v_cache[seg.slot, :, : seg.context_len]
+        ks = k_cache[:, seg.keys]  # [kv_heads, ctx, d]
+        vs = v_cache[:, seg.keys]
         if n <= matmul_max:
             scores = (torch.bmm(qs, ks.transpose(1, 2)).mul_(scale) if mask is None
                       else torch.baddbmm(mask, qs, ks.transpose(1, 2), alpha=scale))
@@ -124,7 +145,7 @@ class BatchPlan:
     """The short segments of a ragged batch laid out for one padded attention call per layer: B segments, each
     padded to `max_len` query rows and `max_ctx` keys. Built once per forward and shared by every layer."""
 
-    slots: torch.Tensor  # [B] cache slot of each segment
+    keys: torch.Tensor  # [B, max_ctx] pool row of each segment's key positions (row 0 past its context)
     rows: torch.Tensor  # [B, max_len] flat token index of each padded query row (0 for padding)
     seg: torch.Tensor  # [m] segment of each of the m tokens the plan covers
     offset: torch.Tensor  # [m] its row within the segment
@@ -162,7 +183,11 @@ def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dt
     mask = (torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
             .repeat(1, groups, 1)[:, None])
     key_ok = (keys[None, :] < ctx_d[:, None])[:, None, :, None]
-    return BatchPlan(slots=torch.tensor([s.slot for s in short], dtype=torch.long).to(**to), rows=rows.to(**to),
+    key_rows = torch.zeros(len(short), max_ctx, dtype=torch.long)
+    for b, s in enumerate(short):
+        keys = s.keys
+        key_rows[b, : s.context_len] = torch.arange(keys.start, keys.stop) if isinstance(keys, slice) else keys
+    return BatchPlan(keys=key_rows.to(**to), rows=rows.to(**to),
                      seg=seg.to(**to), offset=offset.to(**to), tokens=(starts[seg] + offset).to(**to),
                      key_ok=key_ok, mask=mask, rest=rest,
                      rest_masks=causal_masks(rest, device, groups, dtype, window))
@@ -170,32 +195,30 @@ def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dt
 
 def attention_batched(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
-    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, max_seq_len, head_dim]
+    k_cache: torch.Tensor,  # [num_kv_heads, pool_rows, head_dim]
+    v_cache: torch.Tensor,  # [num_kv_heads, pool_rows, head_dim]
     plan: BatchPlan,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The plan's short segments in one padded scaled_dot_product_attention, the long ones one at a time.
 
-    Each segment's keys are gathered from its slot up to the longest context of the batch ([B, kv_heads, max_ctx,
-    d], a copy of what the step reads anyway); keys and values past a segment's own context are zeroed, since an
-    unwritten cache position may hold anything (NaN too, and 0 * NaN is NaN even under a -inf score)."""
-    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    Each segment's keys are gathered from its blocks up to the longest context of the batch ([B, kv_heads,
+    max_ctx, d], a copy of what the step reads anyway); keys and values past a segment's own context are zeroed,
+    since an unwritten pool row may hold anything (NaN too, and 0 * NaN is NaN even under a -inf score)."""
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
     groups = heads // kv_heads
     out = torch.empty_like(q)
     b, max_len = plan.rows.shape
     if b:
-        max_ctx = plan.mask.shape[-1]
         qs = q[plan.rows].permute(0, 2, 1, 3).reshape(b, kv_heads, groups * max_len, dim)
-        ks = k_cache[:, :, :max_ctx][plan.slots].masked_fill_(~plan.key_ok, 0)  # [B, kv_heads, max_ctx, d]
-        vs = v_cache[:, :, :max_ctx][plan.slots].masked_fill_(~plan.key_ok, 0)
+        ks = k_cache[:, plan.keys].transpose(0, 1).masked_fill_(~plan.key_ok, 0)  # [B, kv_heads, max_ctx, d]
+        vs = v_cache[:, plan.keys].transpose(0, 1).masked_fill_(~plan.key_ok, 0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.mask, scale=scale)
         o = o.reshape(b, heads, max_len, dim).permute(0, 2, 1, 3)  # [B, max_len, heads, d]
         out[plan.tokens] = o[plan.seg, plan.offset]
     for seg, mask in zip(plan.rest, plan.rest_masks):
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = attention_sdpa(q[rows], k_cache, v_cache, [Segment(seg.slot, 0, seg.length, seg.context_len)],
-                                   scale, [mask])
+        out[rows] = attention_sdpa(q[rows], k_cache, v_cache, [dataclasses.replace(seg, start=0)], scale, [mask])
     return out
 
 

@@ -4,7 +4,9 @@
  * Built at first use by kernels/cpu_step.py for this CPU; PyTorch's path stays the reference and the fallback.
  *
  * Semantics match verify_server.model_runner.ModelRunner.forward: row m of the batch is the token at position pos[m]
- * of cache slot slot[m]; its key and value are written there, then it attends over positions [0, pos[m]] of its slot.
+ * of the session whose block table is row m of `tables`; position p of it lives at pool row
+ * table[p / block_size] * block_size + p % block_size. Its key and value are written there, then it attends over
+ * positions [0, pos[m]] of its session.
  */
 #include <math.h>
 #include <stdint.h>
@@ -234,12 +236,12 @@ struct sled_layer {
     const float *wo, *bo;              /* [hidden, nq] */
     const float *wgu, *bgu;            /* [2 inter, hidden] (gate, up stacked) */
     const float *wd, *bd;              /* [hidden, inter] */
-    float *k_cache, *v_cache;          /* [slots, kv_heads, max_seq, head_dim], this layer */
+    float *k_cache, *v_cache;          /* [kv_heads, pool_rows, head_dim], this layer */
 };
 
 struct sled_model {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, max_seq;
-    int64_t slot_stride, head_stride;  /* cache strides in floats: per slot, per kv head (a position is head_dim) */
+    int64_t block_size, head_stride;   /* positions a block; the pool's stride in floats per kv head */
     float eps, scale;
     const float *norm, *lm_head, *lm_bias; /* final norm [hidden], logits projection [vocab, hidden] packed */
     const float *cos, *sin_signed;     /* [max_seq, head_dim] */
@@ -495,12 +497,12 @@ static inline vf hsum8(const vf a[8]) {
 }
 #endif
 
-/* o = softmax(q K^T * scale) V over ctx keys of one head; scores: ctx floats of scratch.
+/* scores = q K^T * scale over ctx consecutive keys of one head.
  * With 8-float vectors the scores come 8 keys at a time (hsum8): a horizontal sum per key was most of the
  * attention's time (perf, 16 tokens over 200 cached, AVX2 EPYC: the scalar adds and shuffles of hsum and the
  * score's store about half of the forward outside the matrix products). */
-static inline __attribute__((always_inline)) void attend(const float *q, const float *K, const float *V, int64_t ctx,
-                                                          int64_t hd, float scale, float *scores, float *o) {
+static inline __attribute__((always_inline)) void score_run(const float *q, const float *K, int64_t ctx, int64_t hd,
+                                                             float scale, float *scores) {
     int64_t j = 0;
 #if SLED_VBYTES == 32
     if (hd % VL == 0) {
@@ -528,6 +530,16 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         for (; d < hd; ++d) s += q[d] * kj[d];
         scores[j] = s * scale;
     }
+}
+
+/* o = softmax(q K^T * scale) V over the first ctx positions of a session, whose keys and values sit in blocks of bs
+ * rows: block b of it at rows tab[b] * bs of K and V (one head's rows of the pool); scores: ctx floats of scratch. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *K, const float *V,
+                                                          const int64_t *tab, int64_t bs, int64_t ctx, int64_t hd,
+                                                          float scale, float *scores, float *o) {
+    for (int64_t b = 0, j0 = 0; j0 < ctx; ++b, j0 += bs)
+        score_run(q, K + tab[b] * bs * hd, ctx - j0 < bs ? ctx - j0 : bs, hd, scale, scores + j0);
+    int64_t j;
     /* the largest score, then e^(s - max) and their sum, a vector at a time */
     float mx = -INFINITY;
     j = 0;
@@ -551,30 +563,39 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     if (hd % VL == 0 && hd <= 128) {  /* the output row in registers: 8 vectors of 16 or 16 of 8 at 128 */
         vf acc[128 / VL];
         for (int c = 0; c < 128 / VL; ++c) acc[c] = (vf){0};
-        for (int64_t j = 0; j < ctx; ++j) {
-            float p = scores[j] * inv;
-            const float *vj = V + j * hd;
-            for (int64_t c = 0; c < hd / VL; ++c) acc[c] += p * vload(vj + c * VL);
+        for (int64_t b = 0, j0 = 0; j0 < ctx; ++b, j0 += bs) {
+            const float *Vb = V + tab[b] * bs * hd;
+            for (int64_t j = 0, n = ctx - j0 < bs ? ctx - j0 : bs; j < n; ++j) {
+                float p = scores[j0 + j] * inv;
+                for (int64_t c = 0; c < hd / VL; ++c) acc[c] += p * vload(Vb + j * hd + c * VL);
+            }
         }
         for (int64_t c = 0; c < hd / VL; ++c) __builtin_memcpy(o + c * VL, &acc[c], sizeof acc[c]);
     } else {
         for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
-        for (int64_t j = 0; j < ctx; ++j) {
-            float p = scores[j] * inv;
-            const float *vj = V + j * hd;
-            for (int64_t d = 0; d < hd; ++d) o[d] += p * vj[d];
+        for (int64_t b = 0, j0 = 0; j0 < ctx; ++b, j0 += bs) {
+            const float *Vb = V + tab[b] * bs * hd;
+            for (int64_t j = 0, n = ctx - j0 < bs ? ctx - j0 : bs; j < n; ++j) {
+                float p = scores[j0 + j] * inv;
+                for (int64_t d = 0; d < hd; ++d) o[d] += p * Vb[j * hd + d];
+            }
         }
     }
 }
 
-/* Returns 0, or -1 when a row's position or slot is out of range (checked before anything is written). */
-int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t *pos, const int64_t *slot,
-                 int64_t num_slots, int64_t num_logit_rows, const int64_t *logit_rows, float *logits,
+/* tables: [M, width] the block table of each row's session. Returns 0, or -1 when a row's position or a block it
+ * reads is out of range (checked before anything is written). */
+int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t *pos, const int64_t *tables,
+                 int64_t width, int64_t num_blocks, int64_t num_logit_rows, const int64_t *logit_rows, float *logits,
                  float *scratch, int nthreads) {
     const int64_t H = md->hidden, nh = md->num_heads, nkv = md->num_kv_heads, hd = md->head_dim;
     const int64_t I = md->inter, nq = nh * hd, nk = nkv * hd, nqkv = nq + 2 * nk, groups = nh / nkv;
-    for (int64_t m = 0; m < M; ++m)
-        if (pos[m] < 0 || pos[m] >= md->max_seq || slot[m] < 0 || slot[m] >= num_slots) return -1;
+    const int64_t bs = md->block_size;
+    for (int64_t m = 0; m < M; ++m) {
+        if (pos[m] < 0 || pos[m] >= md->max_seq || pos[m] / bs >= width) return -1;
+        for (int64_t b = 0; b <= pos[m] / bs; ++b)
+            if (tables[m * width + b] < 0 || tables[m * width + b] >= num_blocks) return -1;
+    }
     for (int64_t m = 0; m < num_logit_rows; ++m)
         if (logit_rows[m] < 0 || logit_rows[m] >= M) return -1;
     /* scratch: xn [M, max(H, I)], qkv [M, nqkv], attn [M, nq], gu [M, 2I], scores [nthreads, max_seq] */
@@ -603,7 +624,8 @@ int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t
                 rope(v, c, s, hd);
                 if (head >= nh) {
                     int64_t kh = head - nh;
-                    int64_t at = slot[m] * md->slot_stride + kh * md->head_stride + pos[m] * hd;
+                    int64_t row = tables[m * width + pos[m] / bs] * bs + pos[m] % bs;
+                    int64_t at = kh * md->head_stride + row * hd;
                     const float *vv = qkv + m * nqkv + nq + nk + kh * hd;
                     for (int64_t d = 0; d < hd; ++d) {
                         L->k_cache[at + d] = v[d];
@@ -611,18 +633,18 @@ int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t
                     }
                 }
             }
-            /* attention: each (row, head) over positions [0, pos] of the row's slot */
+            /* attention: each (row, head) over positions [0, pos] of the row's session */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < M * nh; ++t) {
                 int64_t m = t / nh, head = t % nh, kh = head / groups, ctx = pos[m] + 1;
                 const float *q = qkv + m * nqkv + head * hd;
-                const float *K = L->k_cache + slot[m] * md->slot_stride + kh * md->head_stride;
-                const float *V = L->v_cache + slot[m] * md->slot_stride + kh * md->head_stride;
+                const float *K = L->k_cache + kh * md->head_stride, *V = L->v_cache + kh * md->head_stride;
+                const int64_t *tab = tables + m * width;
                 float *o = attn + m * nq + head * hd;
                 switch (hd) {  /* the common head sizes with their vector count known, so it stays in registers */
-                case 64: attend(q, K, V, ctx, 64, md->scale, scores, o); break;
-                case 128: attend(q, K, V, ctx, 128, md->scale, scores, o); break;
-                default: attend(q, K, V, ctx, hd, md->scale, scores, o); break;
+                case 64: attend(q, K, V, tab, bs, ctx, 64, md->scale, scores, o); break;
+                case 128: attend(q, K, V, tab, bs, ctx, 128, md->scale, scores, o); break;
+                default: attend(q, K, V, tab, bs, ctx, hd, md->scale, scores, o); break;
                 }
             }
             gemv(attn, nq, M, L->wo, L->bo, h, H, H, nq, 1);

@@ -122,7 +122,7 @@ def _load(defines: tuple[str, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
     except OSError as err:
         raise CpuStepUnavailable(f"loading {target} failed: {err}") from err
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.sled_forward.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, ctypes.c_int]
+    lib.sled_forward.argtypes = [p, i64, p, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
     lib.sled_forward.restype = ctypes.c_int
     lib.sled_panel_width.argtypes = []
     lib.sled_panel_width.restype = i64
@@ -165,7 +165,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in
                  ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter", "vocab", "max_seq",
-                  "slot_stride", "head_stride")]
+                  "block_size", "head_stride")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("norm", "lm_head", "lm_bias", "cos", "sin_signed")]
                 + [("layers", ctypes.POINTER(_Layer))])
@@ -175,7 +175,8 @@ class _Model(ctypes.Structure):
 class StepModel:
     """What the fused step reads of a model: per layer its norms, projections and biases (ln1, ln2, q, k, v, o,
     gate, up, down; bq, bk, bv, bo, bgate, bup, bdown, None where absent), the final norm and logits projection,
-    the KV pool, the RoPE tables, and the attention's shape."""
+    the KV pool ([layers, kv_heads, pool_rows, head_dim], blocks of block_size rows), the RoPE tables (their rows
+    bound positions), and the attention's shape."""
 
     layers: Sequence[dict[str, torch.Tensor | None]]
     norm: torch.Tensor
@@ -190,6 +191,7 @@ class StepModel:
     head_dim: int
     eps: float
     scale: float
+    block_size: int
 
 
 class CpuStep:
@@ -212,7 +214,10 @@ class CpuStep:
             raise CpuStepUnavailable("heads must group evenly over KV heads and head_dim must be even")
         self.lib = load_library()
         self.build = Path(self.lib._name).stem  # the build's name: its source, compiler, flags and CPU, hashed
-        num_layers, num_slots, _, max_seq, _ = k_cache.shape
+        num_layers, _, pool_rows, _ = k_cache.shape
+        max_seq = cos.shape[0]
+        if pool_rows % m.block_size:
+            raise CpuStepUnavailable("the KV pool's rows must be whole blocks")
         hidden = norm.shape[0]
         self.keep: list[torch.Tensor] = []  # everything the C side points into
         width = int(self.lib.sled_panel_width())
@@ -246,36 +251,38 @@ class CpuStep:
                                     k_cache[i].data_ptr(), v_cache[i].data_ptr())
         self.k_cache, self.v_cache = k_cache, v_cache
         self.model = _Model(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, lm_head.shape[0], max_seq,
-                            num_kv_heads * max_seq * head_dim, max_seq * head_dim, eps, scale,
+                            m.block_size, pool_rows * head_dim, eps, scale,
                             own(norm), packed(lm_head), own(lm_bias), own(cos), own(sin_signed), self.layers)
-        self.num_slots = num_slots
+        self.num_blocks = pool_rows // m.block_size
         self.vocab = lm_head.shape[0]
         self.hidden, self.inter, self.max_seq = hidden, inter, max_seq
         self.qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
         self.q_width = num_heads * head_dim
         self._scratch = torch.empty(0)
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
                  logit_rows: torch.Tensor) -> torch.Tensor:
-        """h [num_tokens, hidden] (the embedded tokens, overwritten), positions and slots [num_tokens] int64,
-        logit_rows [num_logit_rows] int64 -> logits [num_logit_rows, vocab] float32."""
+        """h [num_tokens, hidden] (the embedded tokens, overwritten), positions [num_tokens] int64, tables
+        [num_tokens, width] int64 (each token's session's block table, padded), logit_rows [num_logit_rows] int64
+        -> logits [num_logit_rows, vocab] float32."""
         if h.dtype != torch.float32 or not h.is_contiguous() or h.shape[-1] != self.hidden:
             raise ValueError("h must be a contiguous float32 [num_tokens, hidden] tensor")
         m = h.shape[0]
         positions = positions.to(torch.int64).contiguous()
-        slots = slots.to(torch.int64).contiguous()
+        tables = tables.to(torch.int64).contiguous()
         logit_rows = logit_rows.to(torch.int64).contiguous()
-        if positions.shape != (m,) or slots.shape != (m,):
-            raise ValueError("positions and slots must have one entry per token")
+        if positions.shape != (m,) or tables.dim() != 2 or tables.shape[0] != m:
+            raise ValueError("positions and block tables must have one entry per token")
         threads = torch.get_num_threads()
         need = m * (max(self.hidden, self.inter) + self.qkv_width + self.q_width + 2 * self.inter) \
             + threads * self.max_seq
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         logits = torch.empty(logit_rows.shape[0], self.vocab, dtype=torch.float32)
-        rc = self.lib.sled_forward(ctypes.byref(self.model), m, h.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                   self.num_slots, logit_rows.shape[0], logit_rows.data_ptr(), logits.data_ptr(),
+        rc = self.lib.sled_forward(ctypes.byref(self.model), m, h.data_ptr(), positions.data_ptr(), tables.data_ptr(),
+                                   tables.shape[1], self.num_blocks, logit_rows.shape[0], logit_rows.data_ptr(),
+                                   logits.data_ptr(),
                                    self._scratch.data_ptr(), threads)
         if rc != 0:
-            raise ValueError("a position, slot or logit row is out of range")
+            raise ValueError("a position, block or logit row is out of range")
         return logits

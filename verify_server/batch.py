@@ -34,9 +34,11 @@ class StepBatch:
         return self.plan.verifies
 
     @classmethod
-    def build(cls, plan: Plan, max_seq_len: int, default_gen: torch.Generator | None) -> StepBatch:
+    def build(cls, plan: Plan, max_seq_len: int, default_gen: torch.Generator | None,
+              block_size: int) -> StepBatch:
+        """Each session's block table must already hold the positions this step writes (Engine._grow)."""
         drafts = [clip(w, max_seq_len) for w in plan.verifies]
-        return cls(plan, model_input(plan, drafts), drafts, draft_batch(plan.verifies, drafts),
+        return cls(plan, model_input(plan, drafts, block_size), drafts, draft_batch(plan.verifies, drafts),
                    sampling_batch(plan.verifies, default_gen))
 
     def subset(self, keep: list[int]) -> StepBatch:
@@ -70,27 +72,27 @@ def clip(work: VerifyWork, max_seq_len: int) -> list[int]:
     return list(work.draft.token_ids[: max(room, 0)])
 
 
-def model_input(plan: Plan, drafts: list[list[int]]) -> ModelInput:
+def step_lengths(plan: Plan, max_seq_len: int) -> list[tuple[Session, int]]:
+    """Each session of the plan and the positions it holds once the step has written its tokens."""
+    return ([(p.session, p.session.kv_len + p.length) for p in plan.prefills]
+            + [(w.session, w.session.kv_len + 1 + len(clip(w, max_seq_len))) for w in plan.verifies])
+
+
+def model_input(plan: Plan, drafts: list[list[int]], block_size: int) -> ModelInput:
     tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
     segments: list[Segment] = []
     logit_rows: list[int] = []
 
     def append(s: Session, ids: list[int]) -> None:
-        start = s.kv_len
-        segments.append(Segment(s.slot, len(tokens), len(ids), start + len(ids)))
+        segments.append(Segment(tuple(s.blocks), len(tokens), len(ids), s.kv_len + len(ids), block_size))
         tokens.extend(ids)
-        positions.extend(range(start, start + len(ids)))
-        slots.extend([s.slot] * len(ids))
 
     for p in plan.prefills:
         append(p.session, p.session.tokens[p.session.kv_len: p.session.kv_len + p.length])
     for work, draft in zip(plan.verifies, drafts):
         logit_rows.extend(range(len(tokens), len(tokens) + len(draft) + 1))
         append(work.session, [work.session.tokens[-1]] + draft)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return ModelInput(as_long(tokens), as_long(positions), as_long(slots), segments, as_long(logit_rows))
+    return ModelInput.build(tokens, segments, logit_rows)
 
 
 def draft_batch(works: list[VerifyWork], drafts: list[list[int]]) -> DraftBatch:

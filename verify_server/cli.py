@@ -34,8 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, metavar="N",
                    help=f"split the target over N ranks (one GPU each on CUDA, processes on the CPU), started and "
                         f"stopped with the server (default {d.tensor_parallel})")
-    p.add_argument("--max-sessions", type=int, help=f"KV cache slots, i.e. sessions held at once (default {d.max_sessions})")
+    p.add_argument("--max-sessions", type=int, help=f"sessions held at once (default {d.max_sessions})")
     p.add_argument("--max-seq-len", type=int, help=f"context tokens per session (default {d.max_seq_len})")
+    p.add_argument("--kv-block-size", type=int, metavar="TOKENS",
+                   help=f"tokens per block of the paged KV pool (default {d.kv_block_size})")
+    p.add_argument("--kv-cache-tokens", type=int, metavar="TOKENS",
+                   help="tokens the KV pool holds over all sessions (default: on CUDA --kv-memory-fraction of the "
+                        "memory free after the weights, elsewhere max-sessions x max-seq-len)")
+    p.add_argument("--kv-memory-fraction", type=float, metavar="F",
+                   help=f"on CUDA without --kv-cache-tokens, the share of free memory the pool takes "
+                        f"(default {d.kv_memory_fraction})")
     p.add_argument("--max-batch-sessions", type=int, help=f"verifications per step (default {d.max_batch_sessions})")
     p.add_argument("--max-batch-tokens", type=int, help=f"tokens per step, drafts plus prefill (default {d.max_batch_tokens})")
     p.add_argument("--step-target-ms", type=float, metavar="MS",
@@ -50,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft-tokens", type=int, help=f"longest draft accepted (default {d.max_draft_tokens})")
     p.add_argument("--max-draft-top-k", type=int, help=f"largest sparse draft distribution per token (default {d.max_draft_top_k})")
     p.add_argument("--prefix-cache-tokens", type=int,
-                   help="tokens of shared prompt prefixes (a system prompt) whose KV is kept for new sessions, so "
-                        f"they are not prefilled again; 0 turns it off (default {d.prefix_cache_tokens})")
+                   help="full KV blocks of a context are shared by reference with later sessions that start with the "
+                        "same tokens (a system prompt); this many tokens of such blocks are kept once no session "
+                        f"holds them; 0 turns sharing off (default {d.prefix_cache_tokens})")
     p.add_argument("--drain-s", type=float, metavar="SECONDS",
                    help=f"on SIGTERM, how long sessions under way get before the server stops (default {d.drain_s:g}); "
                         "devices move new sessions elsewhere at once")

@@ -29,8 +29,14 @@ class ServerConfig:
     # Ranks the target's heads and MLP columns are split over (verify_server/tensor_parallel.py): on CUDA one GPU each
     # (cuda:0 .. cuda:N-1), on the CPU processes sharing its cores.
     tensor_parallel: int = 1
-    max_sessions: int = 32  # KV slots: sessions held at once
+    max_sessions: int = 32  # sessions held at once
     max_seq_len: int = 2048  # context tokens per session (prompt + generated)
+    # The paged KV pool: blocks of kv_block_size tokens, kv_cache_tokens in all (None: on CUDA, kv_memory_fraction
+    # of the memory free once the weights are loaded; elsewhere max_sessions x max_seq_len). Sessions hold blocks
+    # for what they hold, not for max_seq_len.
+    kv_block_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_memory_fraction: float = 0.8
     max_batch_sessions: int = 16  # verification requests in one step
     max_batch_tokens: int = 512  # tokens (draft + prefill) in one step
     # Prompt chunks (docs/architecture.md, "Prefill"): while a draft waits, or a session's next draft is due before a
@@ -43,8 +49,10 @@ class ServerConfig:
     max_wait_ms: float = 5.0  # longest a request waits for others to join its step, from the worker's intake
     max_draft_tokens: int = 16  # longest accepted draft
     max_draft_top_k: int = 64  # largest sparse draft distribution per token
-    # KV of prompt prefixes that different sessions share (system prompts), kept for new sessions; 0 turns it off.
-    prefix_cache_tokens: int = 1024
+    # Full blocks of committed tokens are shared by reference with later sessions whose context starts with the same
+    # tokens (a system prompt); blocks no session holds keep their prefix up to this many tokens, until the pool
+    # needs them. 0 turns prefix sharing off.
+    prefix_cache_tokens: int = 4096
     idle_timeout_s: float = 300.0  # a session without traffic this long is freed
     drain_s: float = 5.0  # on SIGTERM: NOT_SERVING at once, sessions under way get this long, then the process ends
     # How drafts are verified where an Open does not say, a rule of sled/verification.py as NAME[:KEY=VALUE,...]
@@ -96,7 +104,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
         for name in ("max_sessions", "max_seq_len", "max_batch_sessions", "max_batch_tokens",
-                     "max_draft_tokens", "max_draft_top_k", "idle_timeout_s", "drain_s", "tensor_parallel"):
+                     "max_draft_tokens", "max_draft_top_k", "idle_timeout_s", "drain_s", "tensor_parallel",
+                     "kv_block_size"):
             positive(name)
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
@@ -112,6 +121,11 @@ class ServerConfig:
             Authenticator(tokens_file=self.auth_tokens_file)  # reads and checks it
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_seq_len:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one whole session "
+                             f"(max_seq_len {self.max_seq_len})")
+        if not 0 < self.kv_memory_fraction <= 0.95:  # also refuses NaN
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if not 0 <= self.max_wait_ms < 60_000:  # also refuses NaN

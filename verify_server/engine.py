@@ -22,17 +22,16 @@ import torch
 from kernels.cpu_step import machine_id, row_argmax
 from kernels.rejection_sampler import NonFiniteLogitsError, rejection_sample
 
-from .batch import StepBatch
+from .batch import StepBatch, step_lengths
 from .constraint import Grammars, commit
 from .config import ServerConfig
 from .cost_model import StepCostModel
 from .errors import SledError, exhausted
-from .kv_cache import KVCache
+from .kv_cache import KVCache, chain_hashes
 from .metrics import Metrics
 from .model_loader import Target
 from .model_runner import ModelInput, ModelRunner
-from .prefix_cache import PrefixCache
-from .scheduler import Scheduler, VerifyWork, draft_expected
+from .scheduler import Plan, Scheduler, VerifyWork, draft_expected
 from .sessions import LENGTH, DraftRequest, OpenRequest, Session, Verdict, commit_tokens
 from .start_cache import StartCache
 from .step_floor import StepFloor
@@ -46,8 +45,9 @@ SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_la
 
 
 def build_compute(config: ServerConfig, target: Target, attention: str = "sdpa",
-                  shard=None) -> tuple[KVCache, ModelRunner, PrefixCache]:
-    """The KV pool, runner and prefix cache of the target, or of this rank's shard of it (tensor_parallel.Shard)."""
+                  shard=None) -> tuple[KVCache, ModelRunner]:
+    """The KV pool and runner of the target, or of this rank's shard of it (tensor_parallel.Shard). Every rank's
+    pool has the same blocks: the leader's block tables travel in each step's input."""
     mcfg = target.model.config
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     param = next(target.model.parameters())
@@ -56,10 +56,30 @@ def build_compute(config: ServerConfig, target: Target, attention: str = "sdpa",
         raise ValueError(f"max_seq_len {config.max_seq_len} is past the target's context length {context} "
                          "(its max_position_embeddings)")
     kv_heads = mcfg.num_key_value_heads // (shard.world if shard is not None else 1)  # the KV pool by KV head
-    kv = KVCache.create(mcfg.num_hidden_layers, config.max_sessions, kv_heads, config.max_seq_len, head_dim,
-                        param.dtype, param.device)
+    kv = KVCache.create(mcfg.num_hidden_layers, kv_cache_tokens(config, mcfg, kv_heads, head_dim, param, shard),
+                        config.kv_block_size, kv_heads, head_dim, param.dtype, param.device, config.max_seq_len,
+                        config.prefix_cache_tokens)
     runner = ModelRunner(target.model, kv, attention, config.linear, config.fused, config.fused_max_tokens, shard)
-    return kv, runner, PrefixCache(kv, config.prefix_cache_tokens)
+    return kv, runner
+
+
+def kv_cache_tokens(config: ServerConfig, mcfg, kv_heads: int, head_dim: int, param: torch.Tensor,
+                    shard=None) -> int:
+    """The pool's size in tokens: kv_cache_tokens where set; else, on CUDA, kv_memory_fraction of the memory
+    free once the weights are loaded (vLLM's way; the least over tensor-parallel ranks), and elsewhere
+    max_sessions x max_seq_len."""
+    if config.kv_cache_tokens:
+        return config.kv_cache_tokens
+    if param.device.type != "cuda":
+        return config.max_sessions * config.max_seq_len
+    free, _ = torch.cuda.mem_get_info(param.device)
+    per_token = 2 * mcfg.num_hidden_layers * kv_heads * head_dim * param.element_size()
+    tokens = int(free * config.kv_memory_fraction) // per_token
+    if shard is not None and shard.world > 1:
+        tokens = shard.least(tokens, param.device)
+    log.info("KV pool: %d tokens, %.0f%% of the %.1f GiB free on %s", tokens, 100 * config.kv_memory_fraction,
+             free / 2**30, param.device)
+    return max(tokens, config.max_seq_len)
 
 
 class Mirrored:
@@ -80,23 +100,20 @@ class Engine:
         mirrored to the other ranks."""
         self.config = config
         self.target = target
-        self.kv, self.runner, self.prefix_cache = build_compute(config, target, attention,
-                                                                leader.shard if leader is not None else None)
+        self.kv, self.runner = build_compute(config, target, attention, leader.shard if leader is not None else None)
         if leader is not None:
             self.runner = Mirrored(self.runner, leader, {"forward": "forward"})
-            self.prefix_cache = Mirrored(self.prefix_cache, leader, {"load": "prefix_load",
-                                                                     "observe": "prefix_observe"})
         if config.min_step_ms or config.min_step_ms_per_token:
             self.runner = StepFloor(self.runner, config.min_step_ms, config.min_step_ms_per_token)
         self._kernels = self.runner.kernels()
         self.scheduler = Scheduler(config)
         self.metrics = Metrics(max_positions=config.max_draft_tokens)
-        self.metrics.free_slots.set(self.kv.num_free)
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = frozenset(target.eos_token_ids)
         self.grammars = Grammars(target.tokenizer, self.vocab_size, target.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[str, Session] = {}
+        self._gauges()
         self._expired: OrderedDict[str, str] = OrderedDict()
         self._pending: list[VerifyWork] = []
         self._stop = threading.Event()
@@ -125,7 +142,8 @@ class Engine:
         m = self.metrics
         return {
             "active_sessions": len(self._sessions),
-            "free_slots": self.kv.num_free,
+            "free_slots": self.free_sessions(),
+            **self.kv_stats(),
             "steps": m.steps,
             "max_step_sessions": m.max_step_sessions,
             "verifications": m.verifications,
@@ -144,6 +162,20 @@ class Engine:
             "constrained_accepted_tokens": m.constrained_accepted_tokens,
         }
 
+    def free_sessions(self) -> int:
+        """Sessions that may still open (max_sessions less those held)."""
+        return max(0, self.config.max_sessions - sum(1 for s in self._sessions.values() if s.holds))
+
+    def kv_stats(self) -> dict:
+        pool = self.kv.blocks
+        return {"kv_block_size": pool.block_size, "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used,
+                "kv_blocks_free": pool.num_free, "kv_blocks_shared": pool.num_shared,
+                "kv_blocks_cached": pool.num_cached}
+
+    def _gauges(self) -> None:
+        self.metrics.free_slots.set(self.free_sessions())
+        self.metrics.set_kv_blocks(self.kv.blocks.num_used, self.kv.blocks.num_free, self.kv.blocks.num_shared)
+
     def kernels(self) -> dict:
         """The runner's kernels (ModelRunner.kernels), as of the warm-up's calibration; kept once the runner is let
         go at stop."""
@@ -157,18 +189,21 @@ class Engine:
     def warmup(self) -> None:
         """Passes of several sizes, so the first real step is not the slow one and the cost model has data; where
         the fused CPU step runs and fused_max_tokens is not set, first the measurement that sets it."""
-        slot = self.kv.allocate()
-        try:
+        blocks: list[int] = []
+        bs = self.kv.block_size
+        try:  # blocks for the largest size the calibration times, or as many as the pool has
+            self.kv.grow(blocks, min(self.kv.max_seq_len, 256, self.kv.num_blocks * bs))
             if self.runner.fused is not None and self.config.fused_max_tokens is None:
-                self._fused_threshold(slot)
+                self._fused_threshold(blocks)
             for n in (8, 1, 5, 1, 16, 1, 16):
+                n = min(n, len(blocks) * bs)
                 t0 = time.monotonic()
-                self.runner.forward(ModelInput.placeholder(n, slot))
+                self.runner.forward(ModelInput.placeholder(n, blocks, bs))
                 self.costs.record(n, time.monotonic() - t0)
         finally:
-            self.kv.free(slot)
+            self.kv.release(blocks)
 
-    def _fused_threshold(self, slot: int) -> None:
+    def _fused_threshold(self, blocks: list[int]) -> None:
         """fused_max_tokens as kept from an earlier start with the same key, else measured (within the time bound)
         and kept."""
         cache = StartCache(self.config.start_cache_folder())
@@ -180,7 +215,7 @@ class Engine:
                      self.runner.fused_max_tokens, cache.path("fused", key))
             return
         t0 = time.monotonic()
-        done = self.runner.calibrate_fused(slot, budget_s=self.config.calibration_budget_s)
+        done = self.runner.calibrate_fused(blocks, budget_s=self.config.calibration_budget_s)
         ratios = ", ".join(f"{n}: {r:.2f}" for n, r in done.ratios.items())
         if done.cut:
             log.warning("the fused step's calibration was cut at its %gs bound (calibration_budget_s) after %.0fs: "
@@ -201,6 +236,7 @@ class Engine:
                 "shape": hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16],
                 "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "linear": runner.linear, "attention": runner.attention_name, "max_seq_len": self.kv.max_seq_len,
+                "kv_block_size": self.kv.block_size,
                 "fused_build": runner.fused.build if runner.fused is not None else ""}
 
     def start(self, executor: Executor | None = None) -> None:
@@ -309,26 +345,37 @@ class Engine:
         cfg = self.config
         device = req.device
         limit = cfg.max_sessions_per_device
-        if limit and sum(1 for s in self._sessions.values() if s.device == device and s.slot >= 0) >= limit:
+        if limit and sum(1 for s in self._sessions.values() if s.device == device and s.holds) >= limit:
             self.metrics.record_refusal(device.label, "max_sessions_per_device")
             log.warning("refused a session of %s: it holds %d, max_sessions_per_device", device.name, limit)
             raise exhausted(f"device {device.name} already holds {limit} sessions, this server's "
                             "max_sessions_per_device: close one first")
+        if not self.free_sessions():
+            self.metrics.record_refusal(device.label, "kv_full")
+            raise exhausted(f"all {cfg.max_sessions} sessions are in use (max_sessions); retry later or raise "
+                            "max_sessions")
+        context = list(req.context_token_ids)
+        hashes = chain_hashes(context[:-1], self.kv.block_size)  # the last token is computed with the first verify
+        blocks = self.kv.blocks.lookup(hashes)
+        shared = len(blocks)
         try:
-            slot = self.kv.allocate()
+            self.kv.grow(blocks, len(context))  # the whole prompt's blocks now: a prompt that fits is prefilled
         except SledError:
+            self.kv.release(blocks)
             self.metrics.record_refusal(device.label, "kv_full")
             raise
         seed = req.sampling.seed
         if seed is None and cfg.seed is not None:
             seed = self._seeds.getrandbits(63)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        session = Session(id=uuid.uuid4().hex, slot=slot, tokens=list(req.context_token_ids),
+        session = Session(id=uuid.uuid4().hex, blocks=blocks, tokens=context,
                           sampling=req.sampling, remaining=req.max_tokens,
                           stop_ids=self.eos_ids | req.stop_token_ids, generator=gen, client_id=req.client_id,
                           device=device, decoded_here=req.server_decodes and on_verdict is not None, rule=req.rule,
                           matcher=req.matcher)
-        session.kv_len = self.prefix_cache.load(slot, session.tokens)
+        session.kv_len = session.published = shared
+        session.kv_len *= self.kv.block_size
+        session.chain = hashes[shared - 1] if shared else b""
         session.answered_at = time.monotonic()  # Opened: counts where the prefix cache held the whole prompt
         if session.kv_len:
             self.metrics.record_prefix_hit(session.kv_len)
@@ -337,7 +384,7 @@ class Engine:
             self._pending.append(VerifyWork(session, DraftRequest.empty(0), on_verdict))
         self.metrics.record_open(device.label)
         self.metrics.active_sessions.set(len(self._sessions))
-        self.metrics.free_slots.set(self.kv.num_free)
+        self._gauges()
         log.info("session %s opened for %s%s: %d context tokens", session.id, device.name,
                  f" ({req.client_id})" if req.client_id else "", len(session.tokens))
         return session
@@ -365,12 +412,21 @@ class Engine:
             self._pending.remove(work)
             work.reply(SledError("CANCELLED", "session closed"))
         self.metrics.active_sessions.set(len(self._sessions))
-        self.metrics.free_slots.set(self.kv.num_free)
+        self._gauges()
 
     def _release(self, session: Session) -> None:
-        if session.slot >= 0:
-            self.kv.free(session.slot)
-            session.slot = -1
+        if session.holds:
+            self.kv.release(session.blocks)
+            session.holds = False
+
+    def _publish(self, session: Session) -> None:
+        """Its full blocks of committed tokens not yet published, published under their prefix hashes."""
+        bs, done = self.kv.block_size, session.published
+        full = session.kv_len // bs
+        if full > done:
+            hashes = chain_hashes(session.tokens[done * bs:full * bs], bs, session.chain)
+            self.kv.blocks.publish(session.blocks[done:full], hashes)
+            session.published, session.chain = full, hashes[-1]
 
     def _sweep(self, now: float) -> None:
         busy = {w.session.id for w in self._pending}
@@ -394,8 +450,11 @@ class Engine:
         t0 = time.monotonic()
         for work in plan.verifies:
             self._pending.remove(work)
+        plan = self._grow(plan)
+        if not plan:
+            return
         try:
-            batch = StepBatch.build(plan, self.config.max_seq_len, self._default_gen)
+            batch = StepBatch.build(plan, self.config.max_seq_len, self._default_gen, self.kv.block_size)
             logits, forward_s = self._forward(batch)
             verdicts = self._sample(batch, logits)
         except Exception as exc:  # noqa: BLE001 - one batch's failure is its sessions' answer, not the worker's end
@@ -404,6 +463,26 @@ class Engine:
                 work.reply(SledError("INTERNAL", f"verification failed: {exc}"))
             return
         self._commit(batch, verdicts, t0, forward_s)
+
+    def _grow(self, plan: Plan) -> Plan:
+        """Each session's blocks grown to hold what this step writes. A verification whose session the pool cannot
+        grow is answered RESOURCE_EXHAUSTED and its session closed, which frees its blocks for the others: the
+        device holds every committed token and resumes by reopening. (A prompt's blocks are taken at open.)"""
+        refused = set()
+        for session, length in step_lengths(plan, self.config.max_seq_len):
+            try:
+                self.kv.grow(session.blocks, length)
+            except SledError as err:
+                refused.add(session.id)
+                work = next(w for w in plan.verifies if w.session is session)
+                log.warning("session %s of %s cannot grow: %s", session.id, session.device.name, err.message)
+                self._expired[session.id] = "it was closed when the KV pool was full"
+                self._close(session.id)
+                work.reply(exhausted(f"{err.message}. The session was closed with its {len(session.tokens)} "
+                                     "committed tokens; reopen with the full context to resume"))
+        if not refused:
+            return plan
+        return Plan([w for w in plan.verifies if w.session.id not in refused], plan.prefills)
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, float]:
         tokens = batch.model_input.token_ids.numel()
@@ -446,7 +525,7 @@ class Engine:
             p.session.kv_len += p.length
             if p.session.prefilled:
                 p.session.answered_at = end  # its device may draft from now on
-                self.prefix_cache.observe(p.session.slot, p.session.tokens, p.session.kv_len)
+                self._publish(p.session)
         load = {"step_ms": (end - t0) * 1000.0, "step_tokens": int(batch.model_input.token_ids.numel()),
                 "step_sessions": len(batch.verifies), "token_ms": self.costs.token_ms}
         for work, draft, result in zip(batch.verifies, batch.drafts, verdicts):
@@ -488,6 +567,8 @@ class Engine:
             self._release(s)
         else:
             s.kv_len = len(s.tokens) - 1
+            self.kv.truncate(s.blocks, s.kv_len)  # the rejected draft's positions: whole blocks past it are freed
+            self._publish(s)
         s.last_active = s.answered_at = time.monotonic()
         self.metrics.record_verification(len(draft), kept, len(block), s.device.label, n_loose, s.matcher is not None)
         return Verdict(work.draft.round, kept, nxt, reason is not None, reason, n_loose=n_loose)

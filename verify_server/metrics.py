@@ -22,7 +22,7 @@ class Metrics:
     constrained_accepted_tokens: int = 0
     emitted_tokens: int = 0
     prefill_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0  # prompt positions copied from the prefix cache instead of prefilled
+    prefix_cache_hit_tokens: int = 0  # prompt positions shared from published blocks instead of prefilled
     max_step_sessions: int = 0
     sessions_opened: int = 0
     sessions_refused: int = 0
@@ -51,10 +51,13 @@ class Metrics:
                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self._p_step = Histogram("sled_step_seconds", "engine step time", registry=r)
         self._p_wait = Histogram("sled_queue_wait_seconds", "time a draft waited for its step", registry=r)
-        self._p_prefix_hits = Counter("sled_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+        self._p_prefix_hits = Counter("sled_prefix_cache_hit_tokens", "prompt tokens shared from cached prefix blocks",
                                       registry=r)
-        self.active_sessions = Gauge("sled_active_sessions", "sessions holding a KV slot", registry=r)
-        self.free_slots = Gauge("sled_free_slots", "KV slots free for new sessions", registry=r)
+        self.active_sessions = Gauge("sled_active_sessions", "sessions open", registry=r)
+        self.free_slots = Gauge("sled_free_slots", "sessions that may still open (max_sessions less those held)",
+                                registry=r)
+        self._p_kv_blocks = Gauge("sled_kv_blocks", "blocks of the KV pool: used (held by a session), free, and "
+                                  "shared (held by more than one)", ["state"], registry=r)
         # Per device: its name where a credential names it (verify_server.auth.Identity.label), else "anonymous".
         self._p_device_sessions = Counter("sled_device_sessions", "sessions opened, per device", ["device"],
                                           registry=r)
@@ -79,6 +82,10 @@ class Metrics:
             self._p_batch.observe(sessions)
         for w in waits:
             self._p_wait.observe(w)
+
+    def set_kv_blocks(self, used: int, free: int, shared: int) -> None:
+        for state, n in (("used", used), ("free", free), ("shared", shared)):
+            self._p_kv_blocks.labels(state=state).set(n)
 
     def record_prefix_hit(self, tokens: int) -> None:
         with self._lock:

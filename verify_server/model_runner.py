@@ -2,7 +2,7 @@
 
 The runner reads the weights of a transformers model (no copy) of a supported
 family and does its own forward so that every session attends over its own
-cache slot. Families differ from Llama's block in a few places, read once from
+block table in the paged pool. Families differ from Llama's block in a few places, read once from
 the config into a Family and per-layer LayerSpecs: q/k norms, Gemma's norms and
 activation, sliding-window layers with their own RoPE.
 """
@@ -31,15 +31,30 @@ log = logging.getLogger(__name__)
 class ModelInput:
     token_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    slots: torch.Tensor  # [num_tokens] int64, cache slot of each token
+    rows: torch.Tensor  # [num_tokens] int64, the pool row each token's key and value go to
+    tables: torch.Tensor  # [num_tokens, width] int64, the block table of each token's session (padded with 0)
     segments: list[Segment]
     logit_rows: torch.Tensor  # [num_logit_rows] int64, flat indices whose logits are wanted
 
     @classmethod
-    def placeholder(cls, n: int, slot: int) -> ModelInput:
-        """n placeholder tokens (id 1) at positions [0, n) of `slot`, every row's logits: for warm-up and timing."""
-        return cls(torch.ones(n, dtype=torch.long), torch.arange(n), torch.full((n,), slot), [Segment(slot, 0, n, n)],
-                   torch.arange(n))
+    def build(cls, token_ids: list[int], segments: list[Segment], logit_rows: list[int]) -> ModelInput:
+        """The input of `segments`' new tokens (each segment's at the positions that end at its context_len)."""
+        positions, rows, tables = [], [], []
+        width = max((len(seg.blocks) for seg in segments), default=1)
+        for seg in segments:
+            first, bs = seg.context_len - seg.length, seg.block_size
+            positions.extend(range(first, seg.context_len))
+            rows.extend(seg.blocks[p // bs] * bs + p % bs for p in range(first, seg.context_len))
+            tables.extend([list(seg.blocks) + [0] * (width - len(seg.blocks))] * seg.length)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return cls(as_long(token_ids), as_long(positions), as_long(rows),
+                   as_long(tables).reshape(len(token_ids), width), segments, as_long(logit_rows))
+
+    @classmethod
+    def placeholder(cls, n: int, blocks: list[int], block_size: int) -> ModelInput:
+        """n placeholder tokens (id 1) at positions [0, n) of a session holding `blocks`, every row's logits: for
+        warm-up and timing."""
+        return cls.build([1] * n, [Segment(tuple(blocks), 0, n, n, block_size)], list(range(n)))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,16 +77,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 
 
 def _check_segments(inp: ModelInput) -> None:
-    """The fused step reads no segments: each token attends to positions [0, its own] of its slot. That is the
-    segments' rule exactly when a segment's tokens sit at consecutive positions ending at its context length, in
-    its slot, which the engine always builds; anything else is refused rather than attended differently."""
-    positions, slots = inp.positions.tolist(), inp.slots.tolist()
+    """The fused step reads no segments: each token attends to positions [0, its own] of its block table. That is
+    the segments' rule exactly when a segment's tokens sit at consecutive positions ending at its context length,
+    with its table, which ModelInput.build always makes; anything else is refused rather than attended
+    differently."""
+    positions = inp.positions.tolist()
     covered = 0
     for seg in inp.segments:
         first = seg.context_len - seg.length
+        tables = inp.tables[seg.start:seg.start + seg.length, :len(seg.blocks)]
         if (positions[seg.start:seg.start + seg.length] != list(range(first, seg.context_len))
-                or slots[seg.start:seg.start + seg.length] != [seg.slot] * seg.length):
-            raise ValueError(f"segment {seg} does not match its tokens' positions and slots")
+                or not bool((tables == torch.tensor(seg.blocks, dtype=torch.long)).all())):
+            raise ValueError(f"segment {seg} does not match its tokens' positions and block tables")
         covered += seg.length
     if covered != len(positions):
         raise ValueError(f"segments cover {covered} tokens of {len(positions)}")
@@ -244,21 +261,23 @@ class ModelRunner:
                 "attention": self.attention_name, "linear": self.linear,
                 "fused_max_tokens": self.fused_max_tokens if self.fused is not None else 0}
 
-    def calibrate_fused(self, slot: int, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
+    def calibrate_fused(self, blocks: list[int], sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
                         timer=None, confirm: int = 2, budget_s: float | None = None,
                         clock=time.monotonic) -> FusedCalibration:
         """Set fused_max_tokens where the fused step stops beating PyTorch on this machine: the largest of `sizes`
-        up to which one session's forward of that many tokens (in `slot`, positions from 0) is at least as fast
-        fused, the two timed alternately `repeats` times (best of each). A size PyTorch seems to win is timed
+        up to which one session's forward of that many tokens (positions from 0) is at least as fast
+        fused, the two timed alternately `repeats` times (best of each); `blocks` is the block table it writes
+        into, long enough for the largest size. A size PyTorch seems to win is timed
         `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
         disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. Past
         `budget_s` seconds (by `clock`) no further pair is timed: the threshold is then the sizes measured in full
         so far, at least UNCALIBRATED_FUSED_MAX_TOKENS. `timer(n, fused)`, for tests, replaces the measurement."""
-        timer = timer or (lambda n, fused: self._time_forward(n, slot, fused))
+        timer = timer or (lambda n, fused: self._time_forward(n, blocks, fused))
         deadline = clock() + budget_s if budget_s is not None else None
         ratios, best, cut = {}, 0, False
         late = lambda: deadline is not None and clock() > deadline  # noqa: E731
-        for n in (n for n in sizes if n <= self.kv.max_seq_len):
+        room = min(len(blocks) * self.kv.block_size, self.kv.max_seq_len)
+        for n in (n for n in sizes if n <= room):
             times = {True: [], False: []}
             for _ in range(1 + confirm):
                 for _ in range(repeats):
@@ -282,8 +301,8 @@ class ModelRunner:
         """The fused step's threshold as an earlier calibration measured it (through any wrapper of the runner)."""
         self.fused_max_tokens = n
 
-    def _time_forward(self, n: int, slot: int, fused: bool) -> float:
-        inp = ModelInput.placeholder(n, slot)
+    def _time_forward(self, n: int, blocks: list[int], fused: bool) -> float:
+        inp = ModelInput.placeholder(n, blocks, self.kv.block_size)
         keep = self.fused_max_tokens
         self.fused_max_tokens = n if fused else 0
         try:
@@ -322,7 +341,7 @@ class ModelRunner:
                                      lm_bias=bias(self.model.lm_head), k_cache=self.kv.k, v_cache=self.kv.v,
                                      cos=self.cos["all"], sin_signed=self.sin_signed["all"], num_heads=self.num_heads,
                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, eps=self.eps,
-                                     scale=self.scale))
+                                     scale=self.scale, block_size=self.kv.block_size))
         except CpuStepUnavailable as err:
             if mode == "on":
                 raise ValueError(f"fused: on, but the fused CPU step is unavailable: {err}") from err
@@ -349,20 +368,20 @@ class ModelRunner:
     def forward(self, inp: ModelInput) -> torch.Tensor:  # [num_logit_rows, vocab]
         tokens = inp.token_ids.to(self.device)
         positions = inp.positions.to(self.device)
-        slots = inp.slots.to(self.device)
         n = tokens.shape[0]
         h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
         if self.fused is not None and n <= self.fused_max_tokens:
             _check_segments(inp)
-            return self.fused(h, positions, slots, inp.logit_rows)
+            return self.fused(h, positions, inp.tables, inp.logit_rows)
+        rows = inp.rows.to(self.device)
         if self.device.type == "cuda":
             with sdpa_kernel(self.sdpa_backends):
-                return self._forward(inp, h, positions, slots)
-        return self._forward(inp, h, positions, slots)
+                return self._forward(inp, h, positions, rows)
+        return self._forward(inp, h, positions, rows)
 
-    def _forward(self, inp: ModelInput, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _forward(self, inp: ModelInput, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         n, norm = h.shape[0], self.norm_fn
         cos = {name: table[positions].unsqueeze(1) for name, table in self.cos.items()}  # [num_tokens, 1, head_dim]
         sin = {name: table[positions].unsqueeze(1) for name, table in self.sin_signed.items()}
@@ -378,17 +397,17 @@ class ModelRunner:
                 q, k = norm(q, spec.q_norm, self.eps), norm(k, spec.k_norm, self.eps)
             q = _rope(q, cos[spec.rope], sin[spec.rope])
             k = _rope(k, cos[spec.rope], sin[spec.rope])
-            k_cache, v_cache = self.kv.k[i], self.kv.v[i]
-            k_cache[slots, :, positions] = k
-            v_cache[slots, :, positions] = v
+            k_cache, v_cache = self.kv.k[i], self.kv.v[i]  # [kv_heads, pool_rows, head_dim]
+            k_cache[:, rows] = k.transpose(0, 1)
+            v_cache[:, rows] = v.transpose(0, 1)
             o = self.attention(q, k_cache, v_cache, inp.segments, self.scale, masks[spec.window])
             h = h + _maybe(norm, self.reduce(o_proj(o.reshape(n, -1))[0]), spec.post_attention, self.eps)
             gate, up = gate_up_proj(norm(h, spec.pre_mlp, self.eps))
             h = h + _maybe(norm, self.reduce(down_proj(self.act(gate) * up)[0]), spec.post_mlp, self.eps)
         if self.shard is not None and self.shard.rank:
             return None  # rank 0 alone samples
-        rows = h[inp.logit_rows.to(self.device)]
-        logits = self.project_logits(norm(rows, self.norm, self.eps))[0].float()
+        out = h[inp.logit_rows.to(self.device)]
+        logits = self.project_logits(norm(out, self.norm, self.eps))[0].float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -80,7 +80,7 @@ class Verdict:
 @dataclass
 class Session:
     id: str
-    slot: int
+    blocks: list[int]  # its block table in the KV pool
     tokens: list[int]  # the whole committed context; KV holds all but the last
     sampling: SamplingParams
     remaining: int
@@ -92,6 +92,9 @@ class Session:
     rule: object = field(default_factory=lambda: Exact({}))
     matcher: object = None  # its constraint's state, advanced by the tokens it commits
     kv_len: int = 0
+    holds: bool = True  # it holds a session's place and its blocks (until it finishes or closes)
+    published: int = 0  # its first blocks published under their prefix hashes (KVCache), `chain` the last hash
+    chain: bytes = b""
     generated: int = 0
     finished: bool = False
     finish_reason: str | None = None

@@ -40,6 +40,12 @@ class Shard:
         dist.all_reduce(x)
         return x
 
+    def least(self, n: int, device: torch.device) -> int:
+        """The smallest of every rank's n (each rank's pool must have the blocks the leader's tables name)."""
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
 
 def check_divisible(config, world: int) -> None:
     """The shape must split evenly: whole attention heads and KV heads per rank, equal MLP slices."""
@@ -106,8 +112,8 @@ def worker_main(rank: int, world: int, port: int, config, attention: str) -> Non
                              StartCache(config.start_cache_folder()))
         shard_model(target.model, rank, world)
         target.model.to(device)
-        kv, runner, prefix_cache = build_compute(config, target, attention, shard)
-        ops = {"forward": runner.forward, "prefix_load": prefix_cache.load, "prefix_observe": prefix_cache.observe}
+        _, runner = build_compute(config, target, attention, shard)
+        ops = {"forward": runner.forward}
         _broadcast()  # this rank is ready
         while True:
             command = _broadcast()

@@ -180,13 +180,13 @@ def test_vanished_client_frees_its_kv(make_server, target):
         s = Stream(channel)
         sid = (await s.send(open=open_msg(target, list(range(1, 40))))).opened.session_id
         await s.send(draft=pb.Draft(session_id=sid, token_ids=[5, 6]))
-        assert server.engine.kv.num_free == 3
+        assert server.engine.free_sessions() == 3
         await channel.close(grace=None)  # the device disappears without Close
         for _ in range(100):
-            if server.engine.kv.num_free == 4:
+            if server.engine.free_sessions() == 4:
                 break
             await asyncio.sleep(0.05)
-        assert server.engine.kv.num_free == 4
+        assert server.engine.free_sessions() == 4
         assert server.engine.stats()["active_sessions"] == 0
 
     run(go())
@@ -200,10 +200,10 @@ def test_idle_session_is_freed_and_then_unknown(make_server, target):
             s = Stream(channel)
             sid = (await s.send(open=open_msg(target, [1, 2, 3]))).opened.session_id
             for _ in range(60):
-                if server.engine.kv.num_free == 2:
+                if server.engine.free_sessions() == 2:
                     break
                 await asyncio.sleep(0.1)
-            assert server.engine.kv.num_free == 2
+            assert server.engine.free_sessions() == 2
             detail = await expect_refusal(s.send(draft=pb.Draft(session_id=sid)), grpc.StatusCode.NOT_FOUND)
             assert "expired" in detail
 

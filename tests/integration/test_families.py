@@ -84,22 +84,21 @@ def test_the_runner_gives_transformers_logits_on_a_ragged_batch(family, attentio
     ids = torch.tensor(PROMPT)
     with torch.inference_mode():
         want = target.model(ids[None]).logits[0]
-    kv = KVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 64, cfg.head_dim, torch.float32,
-                 torch.device("cpu"))
+    kv = KVCache(cfg.num_hidden_layers, 32, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                 torch.device("cpu"), 64)
     runner = ModelRunner(target.model, kv, attention=attention)
-    a, b = kv.allocate(), kv.allocate()
+    a, b = [], []
     n = len(PROMPT)
-    got = runner.forward(ModelInput(ids[:n - 1], torch.arange(n - 1), torch.full((n - 1,), a),
-                                    [Segment(a, 0, n - 1, n - 1)], torch.arange(n - 1)))
+    for _ in range(-(-n // 4)):  # the two sessions' blocks interleaved: neither's are consecutive
+        kv.grow(a, len(a) * 4 + 1)
+        kv.grow(b, len(b) * 4 + 1)
+    a, b = tuple(a), tuple(b)
+    got = runner.forward(ModelInput.build(PROMPT[:n - 1], [Segment(a, 0, n - 1, n - 1, 4)], list(range(n - 1))))
     assert torch.allclose(got, want[:n - 1], atol=1e-4)
-    runner.forward(ModelInput(ids[:n - 5], torch.arange(n - 5), torch.full((n - 5,), b),
-                              [Segment(b, 0, n - 5, n - 5)], torch.arange(0)))
+    runner.forward(ModelInput.build(PROMPT[:n - 5], [Segment(b, 0, n - 5, n - 5, 4)], []))
     # session a decodes its last prompt token; session b verifies a draft of its last five
-    tokens = torch.cat([ids[n - 1:], ids[n - 5:]])
-    positions = torch.cat([torch.tensor([n - 1]), torch.arange(n - 5, n)])
-    slots = torch.tensor([a] + [b] * 5)
-    got = runner.forward(ModelInput(tokens, positions, slots, [Segment(a, 0, 1, n), Segment(b, 1, 5, n)],
-                                    torch.arange(6)))
+    got = runner.forward(ModelInput.build(PROMPT[n - 1:] + PROMPT[n - 5:],
+                                          [Segment(a, 0, 1, n, 4), Segment(b, 1, 5, n, 4)], list(range(6))))
     assert torch.allclose(got[0], want[n - 1], atol=1e-4)
     assert torch.allclose(got[1:], want[n - 5:], atol=1e-4)
 
@@ -169,8 +168,8 @@ def test_the_fused_cpu_step_steps_aside_with_its_reason(family, caplog):
 
     kind, _, target = family
     cfg = target.model.config
-    kv = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 32, cfg.head_dim, torch.float32,
-                 torch.device("cpu"))
+    kv = KVCache(cfg.num_hidden_layers, 2, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                 torch.device("cpu"), 32)
     reason = {"qwen3": "q/k norms", "gemma3_text": "Gemma's norms", "mistral": "sliding-window layers"}[kind]
     with caplog.at_level(logging.INFO, logger="verify_server.model_runner"):
         assert ModelRunner(target.model, kv, fused="auto").fused is None

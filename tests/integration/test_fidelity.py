@@ -67,7 +67,7 @@ def test_concurrent_sessions_each_correct_while_batched(make_server, tokenizer, 
         assert result.token_ids == reference_greedy(tuple(ids), 48), (name, tokenizer.decode(ids))
     assert server.engine.stats()["max_step_sessions"] > 1
     assert server.engine.stats()["active_sessions"] == 0
-    assert server.engine.kv.num_free == server.engine.config.max_sessions
+    assert server.engine.free_sessions() == server.engine.config.max_sessions
 
 
 def test_seeded_sampling_is_reproducible_and_uses_draft_distributions(make_server, tokenizer):
@@ -94,27 +94,25 @@ def test_runner_logits_match_transformers(target):
     from verify_server.model_runner import ModelInput, ModelRunner
 
     cfg = target.model.config
-    kv = KVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 64, 64, torch.float32, torch.device("cpu"))
-    ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2, 30, 31])
+    kv = KVCache(cfg.num_hidden_layers, 12, 16, cfg.num_key_value_heads, 64, torch.float32, torch.device("cpu"), 64)
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2, 30, 31]
     with torch.inference_mode():
-        want = target.model(ids[None]).logits[0]
+        want = target.model(torch.tensor([ids])).logits[0]
     # The fused CPU step takes every batch here (up to 64 tokens); the others are PyTorch only.
     for attention, linear, fused in (("sdpa", "onednn", "on"), ("sdpa", "onednn", "off"),
                                      ("reference", "reference", "off"), ("sdpa", "reference", "off")):
         runner = ModelRunner(target.model, kv, attention, linear, fused, fused_max_tokens=64)
         assert runner.linear == linear and (runner.fused is not None) == (fused == "on")
-        a, b = kv.allocate(), kv.allocate()
-        # Slot a: whole sequence at once. Slot b: 7 tokens, then the other 5 against the cache.
-        got = runner.forward(ModelInput(torch.cat([ids, ids[:7]]), torch.cat([torch.arange(12), torch.arange(7)]),
-                                        torch.tensor([a] * 12 + [b] * 7), [Segment(a, 0, 12, 12), Segment(b, 12, 7, 7)],
-                                        torch.arange(19)))
+        a, b = kv.blocks.allocate(1), kv.blocks.allocate(1)
+        # Session a: whole sequence at once. Session b: 7 tokens, then the other 5 against the cache.
+        got = runner.forward(ModelInput.build(ids + ids[:7], [Segment(tuple(a), 0, 12, 12, 16),
+                                                              Segment(tuple(b), 12, 7, 7, 16)], list(range(19))))
         assert torch.allclose(got[:12], want, atol=2e-3)
         assert torch.allclose(got[12:], want[:7], atol=2e-3)
-        got = runner.forward(ModelInput(ids[7:], torch.arange(7, 12), torch.tensor([b] * 5), [Segment(b, 0, 5, 12)],
-                                        torch.arange(5)))
+        got = runner.forward(ModelInput.build(ids[7:], [Segment(tuple(b), 0, 5, 12, 16)], list(range(5))))
         assert torch.allclose(got, want[7:], atol=2e-3)
-        kv.free(a)
-        kv.free(b)
+        kv.release(a)
+        kv.release(b)
 
 
 def test_prompts_sharing_a_system_prompt_reuse_its_kv_and_decode_unchanged(make_server, tokenizer, reference_greedy,
@@ -122,27 +120,34 @@ def test_prompts_sharing_a_system_prompt_reuse_its_kv_and_decode_unchanged(make_
     import torch
 
     from edge_client.workload import QUESTIONS
+    from verify_server.kv_cache import chain_hashes
 
     server = make_server()
     prompts = [tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": q}])) for q in QUESTIONS[:6]]
     shared = min(next(i for i, (a, b) in enumerate(zip(p, prompts[0])) if a != b) for p in prompts[1:])
-    assert shared >= 16  # the chat template's system prompt
-    # Two prompts first, so that what they share is kept; then four that start with it.
-    first = run(_generate_all(server.address, tokenizer, [(ids, "llama-cpp") for ids in prompts[:2]], 32))
     engine = server.engine
-    assert engine.stats()["prefix_cache_hit_tokens"] == 0 and len(engine.prefix_cache) == 1
-    entry = next(iter(engine.prefix_cache._entries.values()))
-    assert entry.tokens.tolist() == prompts[0][:shared]
+    bs = engine.kv.block_size
+    full = shared // bs * bs  # the whole blocks of what they share
+    assert full >= 16  # the chat template's system prompt
+    # One prompt first: its full blocks are published; then five that start with the same system prompt.
+    first = run(_generate_all(server.address, tokenizer, [(prompts[0], "llama-cpp")], 32))
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    blocks = engine.kv.blocks.lookup(chain_hashes(prompts[0][:full], bs))
+    assert len(blocks) == full // bs
     # The kept keys and values are the target's own for those tokens (transformers, computed alone).
+    rows = engine.kv.rows(blocks, 0, full)
     with torch.inference_mode():
-        past = target.model(torch.tensor([prompts[0][:shared]]), use_cache=True).past_key_values
+        past = target.model(torch.tensor([prompts[0][:full]]), use_cache=True).past_key_values
     for layer in (0, target.model.config.num_hidden_layers - 1):
         k, v = (past.layers[layer].keys, past.layers[layer].values) if hasattr(past, "layers") else past[layer]
-        assert torch.allclose(entry.k[layer], k[0], atol=2e-3) and torch.allclose(entry.v[layer], v[0], atol=2e-3)
-    rest = run(_generate_all(server.address, tokenizer, [(ids, "llama-cpp") for ids in prompts[2:]], 32))
+        assert torch.allclose(engine.kv.k[layer][:, rows], k[0], atol=2e-3)
+        assert torch.allclose(engine.kv.v[layer][:, rows], v[0], atol=2e-3)
+    engine.kv.blocks.free(blocks)
+    rest = run(_generate_all(server.address, tokenizer, [(ids, "llama-cpp") for ids in prompts[1:]], 32))
     for ids, result in zip(prompts, first + rest):
         assert result.token_ids == reference_greedy(tuple(ids), 32), tokenizer.decode(ids)
     stats = engine.stats()
-    assert stats["prefix_cache_hit_tokens"] == 4 * shared
-    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in prompts) - 4 * shared
-    assert engine.kv.num_free == engine.config.max_sessions
+    # each of the five shares at least the system prompt's blocks (two of them may share more, by chance)
+    assert stats["prefix_cache_hit_tokens"] >= 5 * full
+    assert stats["prefill_tokens"] + stats["prefix_cache_hit_tokens"] == sum(len(p) - 1 for p in prompts)
+    assert engine.free_sessions() == engine.config.max_sessions and engine.kv.blocks.num_used == 0

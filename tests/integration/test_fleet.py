@@ -76,7 +76,7 @@ def test_a_device_keeps_to_one_healthy_server_and_moves_when_it_drains_or_dies(m
         assert until(lambda: where() == order[2])
         assert all_freed(home) and all_freed(servers[order[2]])
         registry = servers[order[2]].engine.metrics.registry  # what the fleet's dashboard reads
-        assert registry.get_sample_value("sled_free_slots") == 8 == servers[order[2]].engine.kv.num_free
+        assert registry.get_sample_value("sled_free_slots") == 8 == servers[order[2]].engine.free_sessions()
     finally:
         loop.run_until_complete(pool.close())
         loop.close()

@@ -64,7 +64,7 @@ def test_an_open_cancelled_while_the_engine_holds_it_leaves_no_session(make_tiny
     release.set()
     assert wait_until(lambda: server.engine.stats()["sessions_opened"] == 1)
     assert all_freed(server)
-    assert server.engine.kv.num_free == server.server.config.max_sessions
+    assert server.engine.free_sessions() == server.server.config.max_sessions
 
 
 def test_an_open_that_times_out_at_the_device_leaves_no_session(make_tiny_server, tiny):
@@ -219,7 +219,7 @@ def test_an_empty_draft_every_few_seconds_cannot_hold_every_slot(make_tiny_serve
                     opened.append((await call.read()).WhichOneof("kind"))
                 except grpc.aio.AioRpcError as err:
                     opened.append(err.code())
-            free = server.engine.kv.num_free
+            free = server.engine.free_sessions()
             for call in held:
                 call.cancel()
             return opened, free

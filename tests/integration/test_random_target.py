@@ -80,18 +80,16 @@ def test_runner_matches_transformers_on_the_random_shape(tiny):
     from verify_server.model_runner import ModelInput, ModelRunner
 
     cfg = tiny.model.config
-    kv = KVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 32, cfg.head_dim, torch.float32,
-                 torch.device("cpu"))
-    ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2])
+    kv = KVCache(cfg.num_hidden_layers, 16, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                 torch.device("cpu"), 32)
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2]
     with torch.inference_mode():
-        want = tiny.model(ids[None]).logits[0]
+        want = tiny.model(torch.tensor([ids])).logits[0]
     runner = ModelRunner(tiny.model, kv)
-    slot = kv.allocate()
-    got = runner.forward(ModelInput(ids[:6], torch.arange(6), torch.full((6,), slot), [Segment(slot, 0, 6, 6)],
-                                    torch.arange(6)))
+    table = [9, 2, 14]  # positions 0-3, 4-7 and 8-11, in blocks far apart
+    got = runner.forward(ModelInput.build(ids[:6], [Segment(tuple(table), 0, 6, 6, 4)], list(range(6))))
     assert torch.allclose(got, want[:6], atol=1e-4)
-    got = runner.forward(ModelInput(ids[6:], torch.arange(6, 10), torch.full((4,), slot), [Segment(slot, 0, 4, 10)],
-                                    torch.arange(4)))
+    got = runner.forward(ModelInput.build(ids[6:], [Segment(tuple(table), 0, 4, 10, 4)], list(range(4))))
     assert torch.allclose(got, want[6:], atol=1e-4)
 
 

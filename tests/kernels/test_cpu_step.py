@@ -3,6 +3,7 @@ models whose shapes reach every branch: head sizes with and without a specialize
 the matrix products, biases (Qwen2), grouped heads, ragged batches over several slots, and a poisoned cache."""
 
 import ctypes
+import dataclasses
 import platform
 
 import pytest
@@ -35,13 +36,26 @@ def _model(kind: str, hidden: int, heads: int, kv_heads: int, inter: int, vocab:
     return model
 
 
+BLOCK = 4  # tokens a block of the test pools
+
+
+def _tables(sessions: int, max_seq: int) -> list[tuple[int, ...]]:
+    """Each session's block table: the pool's blocks dealt out shuffled, so that no session's blocks are
+    consecutive and every read crosses blocks."""
+    per = max_seq // BLOCK
+    order = torch.randperm(sessions * per, generator=torch.Generator().manual_seed(7)).tolist()
+    return [tuple(order[i * per:(i + 1) * per]) for i in range(sessions)]
+
+
 def _runners(model, slots=3, max_seq=48):
+    """Two runners over pools of `slots` sessions of max_seq positions (kv.tables: their block tables)."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     caches = []
     for _ in range(2):
-        kv = KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_seq, head_dim, torch.float32,
-                     torch.device("cpu"))
+        kv = KVCache(cfg.num_hidden_layers, slots * max_seq // BLOCK, BLOCK, cfg.num_key_value_heads, head_dim,
+                     torch.float32, torch.device("cpu"), max_seq)
+        kv.tables = _tables(slots, max_seq)
         kv.k.fill_(POISON)
         kv.v.fill_(POISON)
         caches.append(kv)
@@ -51,16 +65,14 @@ def _runners(model, slots=3, max_seq=48):
     return fused, reference
 
 
-def _batch(parts, vocab, gen):
-    """parts: (slot, start position, length); every token's logits."""
-    tokens, positions, slots, segments = [], [], [], []
+def _batch(parts, vocab, gen, tables=None):
+    """parts: (session, start position, length); every token's logits."""
+    tables = tables or _tables(3, 48)
+    tokens, segments = [], []
     for slot, start, length in parts:
-        segments.append(Segment(slot, len(tokens), length, start + length))
+        segments.append(Segment(tables[slot], len(tokens), length, start + length, BLOCK))
         tokens += torch.randint(0, vocab, (length,), generator=gen).tolist()
-        positions += range(start, start + length)
-        slots += [slot] * length
-    n = len(tokens)
-    return ModelInput(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), segments, torch.arange(n))
+    return ModelInput.build(tokens, segments, list(range(len(tokens))))
 
 
 SHAPES = {
@@ -144,8 +156,9 @@ def test_fused_step_matches_reference_over_ragged_batches(shape, layout, monkeyp
     written = {slot: max(start + length for parts in steps for s, start, length in parts if s == slot)
                for slot in range(3)}
     for slot, end in written.items():
-        assert (fused.kv.k[:, slot, :, end:] == POISON).all()
-        assert (fused.kv.k[:, slot, :, :end] != POISON).all()
+        rows = fused.kv.rows(list(fused.kv.tables[slot]), 0, 48)
+        assert (fused.kv.k[:, :, rows[end:]] == POISON).all()
+        assert (fused.kv.k[:, :, rows[:end]] != POISON).all()
 
 
 def test_rollback_then_rewrite_reads_only_what_the_row_may_see():
@@ -162,14 +175,17 @@ def test_rollback_then_rewrite_reads_only_what_the_row_may_see():
 
 def test_out_of_range_rows_are_refused_before_anything_is_written():
     model = _model(*SHAPES["head10-tails"])
-    fused, _ = _runners(model, slots=2, max_seq=16)
+    fused, _ = _runners(model, slots=2, max_seq=16)  # 8 blocks of 4
     before = fused.kv.k.clone()
+    table = torch.tensor([fused.kv.tables[0]])
     with pytest.raises(ValueError, match="out of range"):  # position 16 of 16
-        fused.fused(torch.zeros(2, 40), torch.tensor([15, 16]), torch.tensor([0, 0]), torch.arange(2))
+        fused.fused(torch.zeros(2, 40), torch.tensor([15, 16]), table.repeat(2, 1), torch.arange(2))
+    with pytest.raises(ValueError, match="out of range"):  # block 8 of 8
+        fused.fused(torch.zeros(1, 40), torch.tensor([5]), torch.tensor([[0, 8, 1, 2]]), torch.arange(1))
+    with pytest.raises(ValueError, match="out of range"):  # position 5 past a table of one block
+        fused.fused(torch.zeros(1, 40), torch.tensor([5]), torch.tensor([[0]]), torch.arange(1))
     with pytest.raises(ValueError, match="out of range"):
-        fused.fused(torch.zeros(1, 40), torch.tensor([0]), torch.tensor([2]), torch.arange(1))  # slot 2 of 2
-    with pytest.raises(ValueError, match="out of range"):
-        fused.fused(torch.zeros(1, 40), torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))  # logit row 1 of 1
+        fused.fused(torch.zeros(1, 40), torch.tensor([0]), table, torch.tensor([1]))  # logit row 1 of 1
     assert torch.equal(fused.kv.k, before)
 
 
@@ -179,12 +195,12 @@ def test_segments_that_disagree_with_positions_are_refused():
     model = _model(*SHAPES["head10-tails"])
     fused, _ = _runners(model)
     before = fused.kv.k.clone()
-    bad = [ModelInput(torch.tensor([5, 6]), torch.tensor([3, 4]), torch.tensor([0, 0]), [Segment(0, 0, 2, 6)],
-                      torch.arange(2)),  # context 6, but the tokens sit at 3 and 4
-           ModelInput(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([0, 1]), [Segment(0, 0, 2, 2)],
-                      torch.arange(2)),  # the second token is in another slot
-           ModelInput(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([0, 0]), [Segment(0, 0, 1, 1)],
-                      torch.arange(2))]  # a token in no segment
+    a, b = fused.kv.tables[0], fused.kv.tables[1]
+    good = ModelInput.build([5, 6], [Segment(a, 0, 2, 2, BLOCK)], [0, 1])
+    bad = [dataclasses.replace(good, positions=torch.tensor([3, 4]),
+                               segments=[Segment(a, 0, 2, 6, BLOCK)]),  # context 6, but the tokens sit at 3 and 4
+           dataclasses.replace(good, tables=torch.tensor([a, b])),  # the second token has another session's table
+           dataclasses.replace(good, segments=[Segment(a, 0, 1, 1, BLOCK)])]  # a token in no segment
     for inp in bad:
         with pytest.raises(ValueError, match="segment"):
             fused.forward(inp)
@@ -212,13 +228,13 @@ def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
     fused, _ = _runners(model)
     cost = {1: (1, 2), 2: (2, 3), 4: (3, 4), 8: (5, 5), 12: (7, 6), 16: (8, 9)}  # n: (fused, PyTorch)
     seen = []
-    ratios = fused.calibrate_fused(0, sizes=tuple(cost),
+    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(cost),
                                    timer=lambda n, f: seen.append((n, f)) or cost[n][not f]).ratios
     assert fused.fused_max_tokens == 8  # ties count as a win; 12 loses; 16 is never tried
     assert list(ratios) == [1, 2, 4, 8, 12] and ratios[12] == pytest.approx(7 / 6)
     assert seen[:6] == [(1, True), (1, False)] * 3  # alternated, three times each
     # Measured for real (threshold within the sizes tried), the forwards it ran leave the runner as it was.
-    ratios = fused.calibrate_fused(1, sizes=(1, 2, 4, 8), repeats=1).ratios
+    ratios = fused.calibrate_fused(list(fused.kv.tables[1]), sizes=(1, 2, 4, 8), repeats=1).ratios
     assert set(ratios) <= {1, 2, 4, 8} and fused.fused_max_tokens in (0, *ratios)
 
 
@@ -236,19 +252,19 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
             return 20.0
         return 4.0 if f else 5.0
 
-    ratios = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=blip).ratios
+    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4, 8, 12, 16), timer=blip).ratios
     assert fused.fused_max_tokens == 16 and ratios[8] == pytest.approx(0.8)
     assert seen.count((8, True)) == seen.count((8, False)) == 6  # one more round of three pairs at 8
     assert seen.count((4, True)) == 3
 
     seen.clear()
     real_loss = {1: (1, 2), 2: (2, 3), 4: (5, 4), 8: (1, 9)}  # PyTorch wins at 4 every time; 8 is never tried
-    ratios = fused.calibrate_fused(0, sizes=tuple(real_loss),
+    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(real_loss),
                                    timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f]).ratios
     assert fused.fused_max_tokens == 2 and list(ratios) == [1, 2, 4]
     assert seen.count((4, True)) == seen.count((4, False)) == 9  # three rounds of three pairs, then it stops
     seen.clear()
-    fused.calibrate_fused(0, sizes=tuple(real_loss), confirm=0,
+    fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(real_loss), confirm=0,
                           timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f])
     assert fused.fused_max_tokens == 2
     assert seen.count((4, True)) == 3  # confirm=0: no re-timing
@@ -267,17 +283,21 @@ def test_a_calibration_past_its_time_bound_stops_and_keeps_a_safe_threshold():
         now[0] += 1.0
         return 4.0 if f else 5.0
 
-    done = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=slow, budget_s=10.0, clock=lambda: now[0])
+    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4, 8, 12, 16), timer=slow,
+                                 budget_s=10.0, clock=lambda: now[0])
     assert done.cut and list(done.ratios) == [1, 2]  # 6 s a size: the third starts past 10 s
     assert done.max_tokens == fused.fused_max_tokens == UNCALIBRATED_FUSED_MAX_TOKENS
     now[0] = 0.0
-    done = fused.calibrate_fused(0, sizes=(1, 2, 4, 8, 12, 16), timer=slow, budget_s=29.0, clock=lambda: now[0])
+    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4, 8, 12, 16), timer=slow,
+                                 budget_s=29.0, clock=lambda: now[0])
     assert done.cut and list(done.ratios) == [1, 2, 4, 8, 12] and done.max_tokens == 12  # past the default: kept
     now[0] = 0.0
-    done = fused.calibrate_fused(0, sizes=(1, 2, 4), timer=slow, budget_s=7.0, clock=lambda: now[0])
+    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4), timer=slow, budget_s=7.0,
+                                 clock=lambda: now[0])
     assert done.cut and list(done.ratios) == [1] and now[0] == 8.0  # cut inside size 2, which does not count
     now[0] = 0.0
-    done = fused.calibrate_fused(0, sizes=(1, 2, 4), timer=slow, budget_s=30.0, clock=lambda: now[0])
+    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4), timer=slow, budget_s=30.0,
+                                 clock=lambda: now[0])
     assert not done.cut and done.max_tokens == 4
 
 
@@ -294,10 +314,11 @@ def test_the_engine_measures_the_threshold_only_when_it_is_unset(target, tmp_pat
     measured = Engine(ServerConfig(max_sessions=2, max_seq_len=128, start_cache=False), target)
     calls = []
     real = measured.runner.calibrate_fused
-    measured.runner.calibrate_fused = lambda slot, **kw: calls.append(slot) or real(slot, sizes=(1, 2), repeats=1, **kw)
+    measured.runner.calibrate_fused = lambda blocks, **kw: calls.append(blocks) or real(blocks, sizes=(1, 2),
+                                                                                        repeats=1, **kw)
     measured.warmup()
     assert len(calls) == 1 and measured.runner.fused_max_tokens in (0, 1, 2)
-    assert measured.kv.num_free == 2  # the warm-up's slot is back
+    assert measured.kv.blocks.num_free == measured.kv.num_blocks  # the warm-up's blocks are back
 
 
 @pytest.mark.model
@@ -311,7 +332,7 @@ def test_a_restart_keeps_the_measured_threshold_and_measures_again_past_a_corrup
 
     def start():
         engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128, start_cache_dir=str(tmp_path)), target)
-        engine.runner.calibrate_fused = lambda slot, **kw: calls.append(kw) or engine.runner.set_fused_max_tokens(
+        engine.runner.calibrate_fused = lambda blocks, **kw: calls.append(kw) or engine.runner.set_fused_max_tokens(
             len(calls) + 2) or FusedCalibration(len(calls) + 2, {1: 0.5}, False)
         engine.warmup()
         return engine
@@ -335,12 +356,12 @@ def test_a_restart_keeps_the_measured_threshold_and_measures_again_past_a_corrup
 
 def test_fused_modes():
     model = _model(*SHAPES["head10-tails"])
-    kv = KVCache(2, 1, 2, 8, 10, torch.float32, torch.device("cpu"))
+    kv = KVCache(2, 2, 4, 2, 10, torch.float32, torch.device("cpu"), 8)
     assert ModelRunner(model, kv, fused="auto").fused is not None
     assert ModelRunner(model, kv, fused="off").fused is None
     with pytest.raises(ValueError, match="fused must be"):
         ModelRunner(model, kv, fused="fast")
-    half = KVCache(2, 1, 2, 8, 10, torch.bfloat16, torch.device("cpu"))
+    half = KVCache(2, 2, 4, 2, 10, torch.bfloat16, torch.device("cpu"), 8)
     assert ModelRunner(model.to(torch.bfloat16), half, fused="auto").fused is None  # float32 only: PyTorch
     with pytest.raises(ValueError, match="fused: on, but"):
         ModelRunner(model, half, fused="on")
@@ -406,8 +427,9 @@ def test_a_prefill_step_without_logit_rows_writes_the_cache_and_returns_no_logit
     gen = torch.Generator().manual_seed(3)
     for parts in ([(0, 0, 9), (1, 0, 4)], [(0, 9, 2)]):
         inp = _batch(parts, 203, gen)
-        inp = ModelInput(inp.token_ids, inp.positions, inp.slots, inp.segments, torch.zeros(0, dtype=torch.long))
+        inp = dataclasses.replace(inp, logit_rows=torch.zeros(0, dtype=torch.long))
         got, want = fused.forward(inp), reference.forward(inp)
         assert got.shape == want.shape == (0, 203)
-    assert torch.allclose(fused.kv.k[:, :2, :, :11], reference.kv.k[:, :2, :, :11], atol=1e-4, rtol=1e-4)
-    assert torch.allclose(fused.kv.v[:, :2, :, :11], reference.kv.v[:, :2, :, :11], atol=1e-4, rtol=1e-4)
+    rows = fused.kv.rows(list(fused.kv.tables[0]), 0, 11) + fused.kv.rows(list(fused.kv.tables[1]), 0, 4)
+    assert torch.allclose(fused.kv.k[:, :, rows], reference.kv.k[:, :, rows], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(fused.kv.v[:, :, rows], reference.kv.v[:, :, rows], atol=1e-4, rtol=1e-4)

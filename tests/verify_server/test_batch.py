@@ -11,7 +11,8 @@ from verify_server.sessions import DraftRequest, SamplingParams, Session, Sparse
 
 
 def session(i, tokens, kv_len, remaining=10, temperature=0.0):
-    return Session(id=f"s{i}", slot=i, tokens=list(tokens), sampling=SamplingParams(temperature=temperature),
+    # session i holds blocks [10 i, 10 i + 1, ...] of 4 positions
+    return Session(id=f"s{i}", blocks=[10 * i + j for j in range(4)], tokens=list(tokens), sampling=SamplingParams(temperature=temperature),
                    remaining=remaining, stop_ids=frozenset(), generator=None, kv_len=kv_len)
 
 
@@ -29,11 +30,12 @@ def test_the_batch_lays_out_prefill_then_verifications_and_pads_q_once():
                  VerifyWork(sampled, DraftRequest(0, (30, 31, 32), q([(30, 0.5), (33, 0.5)], [(31, 1.0)],
                                                                      [(32, 0.2), (34, 0.3), (35, 0.5)])), None)],
                 [PrefillWork(cold, 3)])
-    b = StepBatch.build(plan, max_seq_len=64, default_gen=None)
-    # the prompt chunk (positions 1-3 of slot 0), then each verification's last token and its draft
+    b = StepBatch.build(plan, max_seq_len=64, default_gen=None, block_size=4)
+    # the prompt chunk (positions 1-3 of session 0), then each verification's last token and its draft
     assert b.model_input.token_ids.tolist() == [2, 3, 4, 8, 20, 21, 9, 30, 31, 32]
     assert b.model_input.positions.tolist() == [1, 2, 3, 1, 2, 3, 0, 1, 2, 3]
-    assert b.model_input.slots.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert b.model_input.rows.tolist() == [1, 2, 3, 41, 42, 43, 80, 81, 82, 83]  # block 10 i, rows 40 i on
+    assert b.model_input.tables.tolist() == [[0, 1, 2, 3]] * 3 + [[10, 11, 12, 13]] * 3 + [[20, 21, 22, 23]] * 4
     assert b.model_input.logit_rows.tolist() == [3, 4, 5, 6, 7, 8, 9]
     assert b.spec.token_ids.tolist() == [20, 21, 30, 31, 32] and b.spec.cu_num_draft_tokens.tolist() == [0, 2, 5]
     # one padding, to the widest distribution of the step (3); a deterministic draft is q = 1 on its token
@@ -48,7 +50,7 @@ def test_a_draft_is_clipped_to_what_its_session_can_take_with_its_q():
     plan = Plan([VerifyWork(near_end, DraftRequest(0, (5, 6, 7, 8), q([(5, 1.0)], [(6, 0.5), (9, 0.5)],
                                                                       [(7, 1.0)], [(8, 1.0)])), None),
                  VerifyWork(full, DraftRequest(0, (5, 6, 7)), None)], [])
-    b = StepBatch.build(plan, max_seq_len=16, default_gen=None)
+    b = StepBatch.build(plan, max_seq_len=16, default_gen=None, block_size=4)
     assert b.drafts == [[5, 6], [5]]
     assert b.spec.q_ids.tolist() == [[5, 0], [6, 9], [5, 0]]
     # the subset left after a session's logits were not finite: its own rows, its own q

@@ -4,32 +4,99 @@ import torch
 from kernels.attention import (ATTENTION, BATCH_MAX_TOKENS, Segment, attention_batched, attention_plan, attention_reference,
                                attention_sdpa, batch_plan, causal_masks)
 from verify_server.errors import SledError
-from verify_server.kv_cache import KVCache
+from verify_server.kv_cache import BlockPool, KVCache, chain_hashes
 
 
-def test_slots_allocate_free_and_refuse_when_full():
-    kv = KVCache(2, 2, 1, 8, 4, torch.float32, torch.device("cpu"))
-    a, b = kv.allocate(), kv.allocate()
-    assert {a, b} == {0, 1} and kv.num_free == 0
+def test_blocks_allocate_all_or_none_and_the_refusal_names_the_pool():
+    pool = BlockPool(4, 16)
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and pool.num_free == 1 and pool.num_used == 3
     with pytest.raises(SledError) as err:
-        kv.allocate()
-    assert err.value.code == "RESOURCE_EXHAUSTED" and "2 session slots" in err.value.message
-    kv.free(a)
-    assert kv.allocate() == a
-    with pytest.raises(ValueError):
-        kv.free(7)
+        pool.allocate(2)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert "4 blocks of 16 tokens (64 tokens)" in err.value.message and "kv_cache_tokens" in err.value.message
+    assert pool.num_free == 1  # nothing taken by the refused call
+    pool.free(a[:1])
+    assert pool.num_free == 2
+    with pytest.raises(ValueError, match="not held"):
+        pool.free(a[:1])
 
 
-def ragged_batch(lengths, seed):
-    """Queries of (slot, new tokens, context length) segments, 6 query heads over 2 KV heads, and a cache of 3 slots."""
+def test_a_rollback_frees_the_whole_blocks_past_the_new_length_and_growing_takes_them_again():
+    kv = KVCache(1, 8, 4, 1, 2, torch.float32, torch.device("cpu"), 32)
+    table: list[int] = []
+    kv.grow(table, 13)  # positions 0..12: four blocks
+    assert len(table) == 4 and kv.blocks.num_free == 4
+    kv.truncate(table, 9)  # positions 0..8: three blocks, the last one part-used
+    assert len(table) == 3 and kv.blocks.num_free == 5
+    kv.truncate(table, 8)  # exactly two blocks
+    assert len(table) == 2 and kv.blocks.num_free == 6
+    kv.grow(table, 9)
+    assert len(table) == 3
+    with pytest.raises(SledError):
+        kv.grow(table, 33)  # 9 blocks: more than the pool
+    assert len(table) == 3 and kv.blocks.num_free == 5  # all or none
+    kv.release(table)
+    assert table == [] and kv.blocks.num_free == 8
+
+
+def test_published_prefix_blocks_are_shared_by_reference_and_kept_idle_up_to_their_budget():
+    pool = BlockPool(8, 4, prefix_cache_tokens=8)  # two idle blocks kept
+    prompt = list(range(100, 113))  # 13 tokens: three full blocks
+    hashes = chain_hashes(prompt, 4)
+    assert len(hashes) == 3 and chain_hashes(prompt[:8], 4) == hashes[:2]
+    assert chain_hashes([0] + prompt[1:], 4)[1] != hashes[1]  # a block's hash depends on every token before it
+    first = pool.allocate(4)
+    pool.publish(first[:3], hashes)
+    second = pool.lookup(chain_hashes(prompt[:8] + [7, 7, 7, 7], 4))  # shares the first two blocks only
+    assert second == first[:2] and pool.num_shared == 2 and pool.num_cached == 3
+    pool.free(first)  # the first session ends: its shared blocks stay held by the second
+    assert pool.num_shared == 0 and pool.num_used == 2
+    assert pool.lookup(hashes) == first[:3]  # the third block was idle, holding its prefix: taken again
+    pool.free(first[:3])
+    pool.free(second)
+    assert pool.num_free == 8 and pool.num_cached == 2  # three idle, two kept: the least recently freed goes
+    assert pool.lookup(hashes) == first[:2]  # the third block, freed first, was the one let go
+    pool.free(first[:2])
+    pool.allocate(8)  # the pool needs every block: the idle ones give up their prefixes
+    assert pool.num_cached == 0 and pool.lookup(hashes) == []
+
+
+def test_with_prefix_caching_off_nothing_is_published():
+    pool = BlockPool(4, 4, prefix_cache_tokens=0)
+    hashes = chain_hashes(list(range(8)), 4)
+    pool.publish(pool.allocate(2), hashes)
+    assert pool.lookup(hashes) == [] and pool.num_cached == 0
+
+
+def ragged_batch(lengths, seed, block_size=4):
+    """Queries of (session, new tokens, context length) segments, 6 query heads over 2 KV heads, and a pool of
+    three sessions of 48 positions. Sessions 0 and 1 hold shuffled blocks (their keys are gathered); session 2
+    holds consecutive ones (read as a view)."""
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(3, 2, 48, 8, generator=g)  # [slots, kv_heads, max_len, dim]
-    v = torch.randn(3, 2, 48, 8, generator=g)
+    per = 48 // block_size
+    k = torch.randn(2, 3 * 48, 8, generator=g)  # [kv_heads, pool_rows, dim]
+    v = torch.randn(2, 3 * 48, 8, generator=g)
+    order = torch.randperm(2 * per, generator=g).tolist()
+    tables = [tuple(order[:per]), tuple(order[per:]), tuple(range(2 * per, 3 * per))]
     segments, start = [], 0
     for slot, length, context in lengths:
-        segments.append(Segment(slot, start, length, context))
+        segments.append(Segment(tables[slot], start, length, context, block_size))
         start += length
     return torch.randn(start, 6, 8, generator=g), k, v, segments
+
+
+def past_context(seg: Segment) -> torch.Tensor:
+    """The pool rows of the session's positions from its context_len to the end of its blocks."""
+    rows = (torch.tensor(seg.blocks)[:, None] * seg.block_size + torch.arange(seg.block_size)).flatten()
+    return rows[seg.context_len:]
+
+
+def test_a_segment_reads_consecutive_blocks_as_a_view_and_others_gathered():
+    assert Segment((3, 4, 5), 0, 1, 10, 4).keys == slice(12, 22)
+    assert torch.equal(Segment((5, 3, 4), 0, 1, 10, 4).keys,
+                       torch.tensor([20, 21, 22, 23, 12, 13, 14, 15, 16, 17]))
+    assert Segment((9, 2), 0, 1, 3, 4).keys == slice(36, 39)  # only the blocks the context reaches count
 
 
 @pytest.mark.parametrize("lengths", [[(2, 5, 12), (0, 1, 7), (1, 3, 3)],  # draft, decode and prompt segments
@@ -45,10 +112,22 @@ def test_sdpa_attention_matches_reference_on_a_ragged_batch(lengths):
     # Rolling back is a length: positions past context_len never leak in.
     k2, v2 = k.clone(), v.clone()
     for seg in segments:
-        k2[seg.slot, :, seg.context_len:] = 1e4
-        v2[seg.slot, :, seg.context_len:] = 1e4
+        k2[:, past_context(seg)] = 1e4
+        v2[:, past_context(seg)] = 1e4
     assert torch.allclose(attention_reference(q, k2, v2, segments, 0.35), want)
     assert torch.allclose(attention_sdpa(q, k2, v2, segments, 0.35), want, atol=1e-5)
+
+
+def test_the_reference_over_blocks_is_plain_attention_over_each_sessions_positions():
+    """The reference itself, against attention written out over one session's keys in position order."""
+    q, k, v, segments = ragged_batch([(0, 3, 10)], 5)
+    seg = segments[0]
+    keys = seg.keys
+    ks, vs = k[:, keys].repeat_interleave(3, 0), v[:, keys].repeat_interleave(3, 0)  # [6, 10, 8]
+    scores = q.transpose(0, 1) @ ks.transpose(1, 2) * 0.35  # [6, 3, 10]
+    scores = scores.masked_fill(torch.arange(10)[None, :] > torch.arange(7, 10)[:, None], float("-inf"))
+    want = (scores.softmax(-1) @ vs).transpose(0, 1)
+    assert torch.allclose(attention_reference(q, k, v, segments, 0.35), want, atol=1e-6)
 
 
 @pytest.mark.parametrize("lengths", [[(2, 5, 12), (0, 1, 7), (1, 3, 3)],  # draft, decode and prompt segments
@@ -57,13 +136,13 @@ def test_sdpa_attention_matches_reference_on_a_ragged_batch(lengths):
                                      [(1, 33, 48)]])  # only a long segment: nothing padded
 def test_batched_attention_matches_reference_over_a_poisoned_cache(lengths):
     """The padded one-call path (CUDA's) on CPU: every short segment padded to the longest, keys gathered up to
-    the longest context. Cache positions past each segment's context hold NaN and inf (an unwritten or rolled-back
+    the longest context. Pool rows past each segment's context hold NaN and inf (an unwritten or rolled-back
     position may hold anything): none may reach any output."""
     q, k, v, segments = ragged_batch(lengths, 7 + len(lengths))
     want = attention_reference(q, k, v, segments, 0.35)
     for seg in segments:
-        k[seg.slot, :, seg.context_len:] = float("nan")
-        v[seg.slot, :, seg.context_len:] = float("inf")
+        k[:, past_context(seg)] = float("nan")
+        v[:, past_context(seg)] = float("inf")
     plan = batch_plan(segments, q.device, 3)
     assert [s.length for s in plan.rest] == [s.length for s in segments if s.length > BATCH_MAX_TOKENS]
     got = attention_batched(q, k, v, plan, 0.35)
@@ -76,32 +155,34 @@ def test_batched_attention_matches_reference_over_a_poisoned_cache(lengths):
     assert torch.allclose(ATTENTION["sdpa"][1](q, k, v, segments, 0.35, plan), want, atol=1e-5)
 
 
-def test_a_cache_too_large_for_memory_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"KV cache of 1000000 sessions of 100000 tokens \(.* GiB\) does not fit"):
-        KVCache.create(1000, 1_000_000, 8, 100_000, 128, torch.float32, torch.device("cpu"))
-    assert KVCache.create(2, 2, 1, 8, 4, torch.float32, torch.device("cpu")).num_free == 2
+def test_a_pool_too_large_for_memory_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"KV pool of 100000000000 tokens \(.* GiB\) does not fit"):
+        KVCache.create(1000, 100_000_000_000, 16, 8, 128, torch.float32, torch.device("cpu"), 2048)
+    kv = KVCache.create(2, 100, 16, 1, 4, torch.float32, torch.device("cpu"), 64)
+    assert kv.num_blocks == 7 and kv.blocks.num_free == 7  # rounded up to whole blocks
 
 
 @pytest.mark.parametrize("lengths", [[(2, 5, 12), (0, 1, 30), (1, 3, 3)],  # a decode token far past the window
                                      [(0, 40, 45), (2, 1, 16), (1, 9, 40)]])  # a prompt longer than the window
 def test_sliding_window_attention_sees_only_the_last_window_positions(lengths):
     """Sliding-window layers (Mistral, Gemma 3): each query sees its last 6 positions. The reference is checked
-    against a brute-force mask first; every kernel, per segment and padded, must give it, one-token segments too."""
+    against brute force first; every kernel, per segment and padded, must give it, one-token segments too."""
     q, k, v, segments = ragged_batch(lengths, 11)
     window = 6
     want = attention_reference(q, k, v, segments, 0.35, window)
     for seg in segments:  # brute force: a query at position p attends over keys (p - window, p] alone
+        keys = torch.arange(seg.keys.start, seg.keys.stop) if isinstance(seg.keys, slice) else seg.keys
         for i in range(seg.length):
             p = seg.context_len - seg.length + i
-            lo = max(0, p - window + 1)
-            one = attention_reference(q[seg.start + i:seg.start + i + 1], k[:, :, lo:], v[:, :, lo:],
-                                      [Segment(seg.slot, 0, 1, p + 1 - lo)], 0.35)
-            assert torch.allclose(want[seg.start + i], one[0], atol=1e-5)
+            rows = keys[max(0, p - window + 1):p + 1]
+            ks, vs = k[:, rows].repeat_interleave(3, 0), v[:, rows].repeat_interleave(3, 0)
+            one = ((q[seg.start + i][:, None] @ ks.transpose(1, 2) * 0.35).softmax(-1) @ vs)[:, 0]
+            assert torch.allclose(want[seg.start + i], one, atol=1e-5)
     assert not torch.allclose(want, attention_reference(q, k, v, segments, 0.35), atol=1e-3)  # the window matters
     masks = causal_masks(segments, q.device, 3, window=window)
     assert torch.allclose(attention_sdpa(q, k, v, segments, 0.35, masks), want, atol=1e-5)
     for seg in segments:
-        k[seg.slot, :, seg.context_len:] = float("nan")
+        k[:, past_context(seg)] = float("nan")
     assert torch.allclose(attention_batched(q, k, v, batch_plan(segments, q.device, 3, window=window), 0.35), want,
                           atol=1e-5)
     assert torch.allclose(ATTENTION["reference"][1](q, k, v, segments, 0.35,

@@ -4,7 +4,7 @@ from verify_server.sessions import DraftRequest, SamplingParams, Session
 
 
 def session(i, tokens=3, kv_len=2):
-    return Session(id=f"s{i}", slot=i, tokens=list(range(tokens)), sampling=SamplingParams(), remaining=10,
+    return Session(id=f"s{i}", blocks=[], tokens=list(range(tokens)), sampling=SamplingParams(), remaining=10,
                    stop_ids=frozenset(), generator=None, kv_len=kv_len)
 
 
