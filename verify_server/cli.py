@@ -114,10 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-step-ms-per-token", type=float, metavar="MS",
                    help="capacity experiments: and this much more per token in the step; with a small random target "
                         "and --min-step-ms, a GPU's step profile on a CPU (default 0)")
-    p.add_argument("--attention", choices=["sdpa", "segments", "reference"], default="sdpa",
+    p.add_argument("--compile", choices=["auto", "on", "off"],
+                   help="compile the whole step at a few padded sizes, FlexAttention over the KV pool, every size at "
+                        f"start: auto (on CUDA only), on or off (default {d.compile})")
+    p.add_argument("--attention", choices=["sdpa", "segments", "flex", "reference"], default="sdpa",
                    help="attention kernel: sdpa (on CUDA the short segments of a step in one padded call per layer; on "
                         "CPU one call per segment, short ones as two batched matmuls), segments (one call per segment "
-                        "on CUDA too) or the plain reference (default sdpa)")
+                        "on CUDA too), flex (one compiled FlexAttention call per layer over the paged pool, its "
+                        "query rows padded to a few sizes) or the plain reference (default sdpa)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p

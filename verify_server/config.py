@@ -81,6 +81,11 @@ class ServerConfig:
     # The whole forward in one C call for batches of up to fused_max_tokens tokens (float32 on CPU, built at first
     # use with the system C compiler): auto (where it builds, else PyTorch) | on (it or an error) | off.
     fused: str = "auto"
+    # The step compiled whole (verify_server/compiled.py): its tokens padded to a few buckets, FlexAttention over the
+    # pool, under torch.compile (CUDA graphs on CUDA, inductor's C++ on the CPU), every bucket compiled at start.
+    # auto: on CUDA; off on the CPU, where compiling every bucket takes minutes on a small host. Steps the fused CPU
+    # step takes stay with it.
+    compile: str = "auto"
     # Past it PyTorch's oneDNN matmuls win, once many rows share each weight read, at a count that depends on the
     # CPU. None: timed at start-up, one session's forward of 1-256 tokens through both (docs/kernels.md).
     fused_max_tokens: int | None = None
@@ -141,6 +146,8 @@ class ServerConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.linear not in ("auto", "onednn", "reference"):
             raise ValueError(f"linear must be auto, onednn or reference, got {self.linear!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         if self.fused not in ("auto", "on", "off"):
             raise ValueError(f"fused must be auto, on or off, got {self.fused!r}")
         if self.fused_max_tokens is not None and self.fused_max_tokens < 0:

@@ -60,6 +60,11 @@ def build_compute(config: ServerConfig, target: Target, attention: str = "sdpa",
                         config.kv_block_size, kv_heads, head_dim, param.dtype, param.device, config.max_seq_len,
                         config.prefix_cache_tokens)
     runner = ModelRunner(target.model, kv, attention, config.linear, config.fused, config.fused_max_tokens, shard)
+    if config.compile == "on" or (config.compile == "auto" and param.device.type == "cuda"
+                                  and (shard is None or shard.world == 1)):
+        from .compiled import CompiledStep
+
+        runner.compiled = CompiledStep(runner, config.max_batch_tokens)
     return kv, runner
 
 
@@ -193,6 +198,8 @@ class Engine:
         bs = self.kv.block_size
         try:  # blocks for the largest size the calibration times, or as many as the pool has
             self.kv.grow(blocks, min(self.kv.max_seq_len, 256, self.kv.num_blocks * bs))
+            if self.runner.compiled is not None:
+                self.runner.compiled.warmup(blocks)
             if self.runner.fused is not None and self.config.fused_max_tokens is None:
                 self._fused_threshold(blocks)
             for n in (8, 1, 5, 1, 16, 1, 16):
@@ -545,6 +552,7 @@ class Engine:
                                                     work.reply))
             work.reply(result)
         self._last_step_end = end
+        self._gauges()
         self.metrics.record_step(len(batch.verifies), sum(p.length for p in batch.plan.prefills), end - t0,
                                  [t0 - w.arrived for w in batch.verifies], forward_s)
 

@@ -128,20 +128,24 @@ class BlockPool:
 class KVCache:
     """Keys and values of every layer in one pool of blocks.
 
-    k and v are [layers, kv_heads, num_blocks * block_size, head_dim]: a KV head's rows are the pool's token
-    rows, so a session whose blocks are consecutive reads its keys as one view. How many positions of a session
-    are valid is its `kv_len`."""
+    k and v are [layers, kv_heads, pool_rows, head_dim]: a KV head's rows are the pool's token rows, so a session
+    whose blocks are consecutive reads its keys as one view. How many positions of a session are valid is its
+    `kv_len`. One block past the pool's is no session's: the compiled step writes its padding tokens there."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_seq_len: int, prefix_cache_tokens: int = 0):
-        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        shape = (num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim)
         # torch.empty: pages are only touched as sessions fill them.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_seq_len = max_seq_len
+        self.scratch_row = num_blocks * block_size
         self.blocks = BlockPool(num_blocks, block_size, prefix_cache_tokens)
+        # Zero each block handed out: for kernels that read whole blocks (FlexAttention), where a row past a
+        # session's length must be finite (0 x NaN is NaN even under a masked score).
+        self.zero_blocks = False
 
     @classmethod
     def create(cls, num_layers: int, num_tokens: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -169,7 +173,12 @@ class KVCache:
         """Blocks appended to `table` until it holds `length` positions; none appended where the pool cannot."""
         need = self.blocks_for(length) - len(table)
         if need > 0:
-            table.extend(self.blocks.allocate(need))
+            new = self.blocks.allocate(need)
+            if self.zero_blocks:
+                rows = (torch.tensor(new)[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+                self.k[:, :, rows.to(self.k.device)] = 0
+                self.v[:, :, rows.to(self.k.device)] = 0
+            table.extend(new)
 
     def truncate(self, table: list[int], length: int) -> None:
         """The whole blocks past `length` positions freed (a rollback)."""

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.attention import ATTENTION, Segment
 from kernels.cpu_step import CpuStep, CpuStepUnavailable, StepModel
+from kernels.flex import PagedFlex
 from kernels.linear import LINEAR, resolve_linear
 
 from .kv_cache import KVCache
@@ -74,6 +75,22 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     # x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.., +1..]:
     # the sign lives in sin_signed, so this is exact and two ops shorter.
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+# Query rows a FlexAttention call is padded to: each size compiles once, so a few, as vLLM and SGLang pad their
+# verify batches of K + 1 tokens a session; past the last, whole multiples of it.
+FLEX_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def flex_length(n: int) -> int:
+    for size in FLEX_BUCKETS:
+        if n <= size:
+            return size
+    return -(-n // FLEX_BUCKETS[-1]) * FLEX_BUCKETS[-1]
+
+
+def self_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _check_segments(inp: ModelInput) -> None:
@@ -194,7 +211,14 @@ class ModelRunner:
         self.reduce = shard.all_reduce if shard is not None and world > 1 else (lambda x: x)
         self.model = model
         self.kv = kv
-        self.prepare_attention, self.attention = ATTENTION[attention]
+        if attention == "flex":  # one compiled FlexAttention call per layer, over the pool in place
+            self.flex = PagedFlex(kv.num_blocks + 1, kv.block_size, kv.max_seq_len, self_device(model),
+                                  max_tokens=max(FLEX_BUCKETS[-1], kv.max_seq_len))
+            kv.zero_blocks = True
+            self.prepare_attention = None
+            self.attention = lambda q, k, v, segments, scale, plan: self.flex.attend(q, k, v, plan, scale)
+        else:
+            self.prepare_attention, self.attention = ATTENTION[attention]
         self.attention_name = attention
         self.num_heads = cfg.num_attention_heads // world  # this rank's heads
         self.num_kv_heads = cfg.num_key_value_heads // world
@@ -217,12 +241,7 @@ class ModelRunner:
         self.linear = resolve_linear(linear, self.device, self.dtype)
         make = LINEAR[self.linear]
         # Per layer: (q, k, v), o, (gate, up) and down, each group one projection reading one input.
-        self.proj = []
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
-            self.proj.append(tuple(make([mod.weight for mod in g], [mod.bias for mod in g]) for g in groups))
-        self.project_logits = make([self.lm_head], [getattr(model.lm_head, "bias", None)])
+        self.proj, self.project_logits = self.projections(make)
         windows, ropes, rope_params = _layer_windows_and_ropes(cfg)
         self.specs = [self._spec(layer, w, r) for layer, w, r in zip(self.layers, windows, ropes)]
         self.windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
@@ -238,7 +257,18 @@ class ModelRunner:
         # None: calibrate_fused() measures it (the engine's warm-up); until then, a threshold measured on one host.
         self.fused_max_tokens = fused_max_tokens if fused_max_tokens is not None else UNCALIBRATED_FUSED_MAX_TOKENS
         self.fused = self._make_fused(fused)
+        self.compiled = None  # a CompiledStep (verify_server.compiled) takes the steps the fused one does not
         self.sdpa_backends = list(CUDA_SDPA_BACKENDS)  # the attention kernels PyTorch may choose from, on CUDA
+
+    def projections(self, make: Callable) -> tuple[list[tuple], Callable]:
+        """Per layer its (q, k, v), o, (gate, up) and down projections, and the logits projection, made by `make`
+        (kernels.linear)."""
+        proj = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
+            proj.append(tuple(make([mod.weight for mod in g], [mod.bias for mod in g]) for g in groups))
+        return proj, make([self.lm_head], [getattr(self.model.lm_head, "bias", None)])
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         # Gemma's norms scale by 1 + w in float32; computed once here rather than at every step.
@@ -258,7 +288,8 @@ class ModelRunner:
         """How this runner computes: device, dtype, attention and linear kernels, and the largest step (in tokens)
         the fused CPU step takes, 0 where it is not used. The server's Info carries it."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "attention": self.attention_name, "linear": self.linear,
+                "attention": "flex, compiled" if self.compiled is not None else self.attention_name,
+                "linear": self.linear,
                 "fused_max_tokens": self.fused_max_tokens if self.fused is not None else 0}
 
     def calibrate_fused(self, blocks: list[int], sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
@@ -366,13 +397,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:  # [num_logit_rows, vocab]
+        n = inp.token_ids.shape[0]
+        fused = self.fused is not None and n <= self.fused_max_tokens
+        if self.compiled is not None and not fused:
+            return self.compiled.forward(inp)
         tokens = inp.token_ids.to(self.device)
         positions = inp.positions.to(self.device)
-        n = tokens.shape[0]
-        h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        if self.fused is not None and n <= self.fused_max_tokens:
+        h = self.embed_tokens(tokens)
+        if fused:
             _check_segments(inp)
             return self.fused(h, positions, inp.tables, inp.logit_rows)
         rows = inp.rows.to(self.device)
@@ -382,13 +414,27 @@ class ModelRunner:
         return self._forward(inp, h, positions, rows)
 
     def _forward(self, inp: ModelInput, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        n, norm = h.shape[0], self.norm_fn
+        groups = self.num_heads // self.num_kv_heads
+        if self.prepare_attention is None:  # flex: one filling of its buffers for every window
+            plans = self.flex.plans(inp.segments, self.windows, flex_length(inp.token_ids.shape[0]))
+        else:
+            plans = {w: self.prepare_attention(inp.segments, self.device, groups, self.dtype, w) for w in self.windows}
+        h = self.layers_forward(h, positions, rows, inp.segments, plans, self.attention)
+        if self.shard is not None and self.shard.rank:
+            return None  # rank 0 alone samples
+        return self.logits(h, inp.logit_rows.to(self.device))
+
+    def layers_forward(self, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, segments, plans: dict,
+                       attention: Callable, proj=None, caches=None) -> torch.Tensor:
+        """Every layer over the embedded tokens h: each token's key and value written to its pool row, then
+        `attention` with the plan of its layer's window. Traceable whole (segments None) for the compiled step,
+        which brings its own projections (`proj`, as self.proj) and each layer's (k, v) pool as its own input
+        (`caches`)."""
+        n, norm, proj = h.shape[0], self.norm_fn, proj or self.proj
         cos = {name: table[positions].unsqueeze(1) for name, table in self.cos.items()}  # [num_tokens, 1, head_dim]
         sin = {name: table[positions].unsqueeze(1) for name, table in self.sin_signed.items()}
-        groups = self.num_heads // self.num_kv_heads
-        masks = {w: self.prepare_attention(inp.segments, self.device, groups, self.dtype, w) for w in self.windows}
         for i, spec in enumerate(self.specs):
-            qkv_proj, o_proj, gate_up_proj, down_proj = self.proj[i]
+            qkv_proj, o_proj, gate_up_proj, down_proj = proj[i]
             q, k, v = qkv_proj(norm(h, spec.pre_attention, self.eps))
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -397,17 +443,22 @@ class ModelRunner:
                 q, k = norm(q, spec.q_norm, self.eps), norm(k, spec.k_norm, self.eps)
             q = _rope(q, cos[spec.rope], sin[spec.rope])
             k = _rope(k, cos[spec.rope], sin[spec.rope])
-            k_cache, v_cache = self.kv.k[i], self.kv.v[i]  # [kv_heads, pool_rows, head_dim]
+            k_cache, v_cache = caches[i] if caches else (self.kv.k[i], self.kv.v[i])  # [kv_heads, pool_rows, d]
             k_cache[:, rows] = k.transpose(0, 1)
             v_cache[:, rows] = v.transpose(0, 1)
-            o = self.attention(q, k_cache, v_cache, inp.segments, self.scale, masks[spec.window])
+            o = attention(q, k_cache, v_cache, segments, self.scale, plans[spec.window])
             h = h + _maybe(norm, self.reduce(o_proj(o.reshape(n, -1))[0]), spec.post_attention, self.eps)
             gate, up = gate_up_proj(norm(h, spec.pre_mlp, self.eps))
             h = h + _maybe(norm, self.reduce(down_proj(self.act(gate) * up)[0]), spec.post_mlp, self.eps)
-        if self.shard is not None and self.shard.rank:
-            return None  # rank 0 alone samples
-        out = h[inp.logit_rows.to(self.device)]
-        logits = self.project_logits(norm(out, self.norm, self.eps))[0].float()
+        return h
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(tokens, self.embed)  # [num_tokens, hidden]
+        return h * self.embed_scale if self.embed_scale is not None else h
+
+    def logits(self, h: torch.Tensor, rows: torch.Tensor, project=None) -> torch.Tensor:
+        """The float32 logits of the hidden states at `rows`."""
+        logits = (project or self.project_logits)(self.norm_fn(h[rows], self.norm, self.eps))[0].float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

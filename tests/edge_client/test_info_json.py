@@ -29,3 +29,17 @@ def test_repeated_messages_become_lists_of_dicts():
     assert out["message_type"][0]["name"] == "A"
     assert out["message_type"][0]["field"][0]["number"] == 1
     assert out["enum_type"] == []
+
+
+def test_info_for_people_shows_the_kv_pool_and_an_older_server_s_info_does_not():
+    from edge_client.info import describe_info
+
+    info = verify_pb2.ServerInfo(target_name="t", vocab_size=49152, max_sessions=256)
+    info.stats.active_sessions, info.stats.free_slots = 64, 192
+    assert "KV pool" not in describe_info(info)  # a server older than the paged pool sends no blocks
+    info.stats.kv_block_size, info.stats.kv_blocks_total, info.stats.kv_blocks_used = 16, 4096, 96
+    info.stats.kv_blocks_free, info.stats.kv_blocks_shared, info.stats.kv_blocks_cached = 4000, 32, 40
+    text = describe_info(info)
+    assert "256 sessions (64 open, 192 more may open)" in text
+    assert ("KV pool: 4096 blocks of 16 tokens: 96 used, 4000 free, 32 shared by several sessions, 40 holding a "
+            "cached prefix") in text

@@ -155,7 +155,21 @@ def test_full_pool_refuses_with_resource_exhausted(make_server, target, referenc
         return await expect_refusal(Stream(channel).send(open=open_msg(target, [1, 2])),
                                     grpc.StatusCode.RESOURCE_EXHAUSTED)
 
-    assert "KV cache full" in run(with_bystander(server, target, reference_greedy, tokenizer, bad))
+    assert "all 2 sessions are in use" in run(with_bystander(server, target, reference_greedy, tokenizer, bad))
+
+
+def test_an_open_past_the_kv_pool_is_refused_naming_the_pool(make_server, target, reference_greedy, tokenizer):
+    server = make_server(max_sessions=4, max_seq_len=512, kv_cache_tokens=512)  # 32 blocks of 16 tokens
+
+    async def bad(channel):
+        s = Stream(channel)
+        await s.send(open=open_msg(target, list(range(1, 301))))  # 19 blocks
+        # another prompt: none of the first one's blocks (published once prefilled) can be shared
+        return await expect_refusal(Stream(channel).send(open=open_msg(target, list(range(2, 302)))),
+                                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    detail = run(with_bystander(server, target, reference_greedy, tokenizer, bad))
+    assert "KV pool exhausted" in detail and "32 blocks of 16 tokens (512 tokens)" in detail
 
 
 def test_wrong_auth_token_is_unauthenticated(make_server, target):

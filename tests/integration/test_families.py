@@ -72,7 +72,7 @@ def reference(target, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "reference"])
+@pytest.mark.parametrize("attention", ["sdpa", "flex", "reference"])
 def test_the_runner_gives_transformers_logits_on_a_ragged_batch(family, attention):
     """A prompt longer than the window, then in one batch a decode token of one session and a draft of another:
     every row's logits are transformers' at that position."""

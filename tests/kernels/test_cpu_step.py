@@ -180,8 +180,8 @@ def test_out_of_range_rows_are_refused_before_anything_is_written():
     table = torch.tensor([fused.kv.tables[0]])
     with pytest.raises(ValueError, match="out of range"):  # position 16 of 16
         fused.fused(torch.zeros(2, 40), torch.tensor([15, 16]), table.repeat(2, 1), torch.arange(2))
-    with pytest.raises(ValueError, match="out of range"):  # block 8 of 8
-        fused.fused(torch.zeros(1, 40), torch.tensor([5]), torch.tensor([[0, 8, 1, 2]]), torch.arange(1))
+    with pytest.raises(ValueError, match="out of range"):  # block 9: past the 8 and the scratch block
+        fused.fused(torch.zeros(1, 40), torch.tensor([5]), torch.tensor([[0, 9, 1, 2]]), torch.arange(1))
     with pytest.raises(ValueError, match="out of range"):  # position 5 past a table of one block
         fused.fused(torch.zeros(1, 40), torch.tensor([5]), torch.tensor([[0]]), torch.arange(1))
     with pytest.raises(ValueError, match="out of range"):

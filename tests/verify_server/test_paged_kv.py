@@ -94,6 +94,10 @@ def test_64_sessions_with_one_512_token_system_prompt_store_it_once(tiny):
     assert pool.num_used == 32 + 64
     assert all(s.blocks[:32] == first.blocks[:32] for s in rest)
     stats = engine.stats()
+    assert stats["kv_blocks_shared"] == 32 and stats["kv_blocks_used"] == 96
+    registry = engine.metrics.registry
+    assert registry.get_sample_value("sled_kv_blocks", {"state": "shared"}) == 32
+    assert registry.get_sample_value("sled_kv_blocks", {"state": "used"}) == 96
     assert stats["prefix_cache_hit_tokens"] == 63 * 512
     assert stats["prefill_tokens"] == 519 + 63 * 7
     # what the sharing sessions decode is what they would have decoded alone

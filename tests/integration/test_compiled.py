@@ -1,0 +1,118 @@
+"""The step compiled whole (verify_server/compiled.py), on the CPU: no graph break, no recompile after warm-up, and
+greedy tokens equal to transformers' (so to the eager path's) for the five families, in every bucket, through
+drafts rejected across a block boundary and accepted past it again."""
+
+import pytest
+import torch
+
+from tests.integration.test_families import FAMILIES, build_folder, reference
+from tests.verify_server.test_paged_kv import Driver
+
+pytestmark = pytest.mark.model
+
+KINDS = ["llama", "qwen2"] + list(FAMILIES)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def family(request, tmp_path_factory):
+    from verify_server.model_loader import load_target
+
+    kind = request.param
+    folder = tmp_path_factory.mktemp(kind)
+    if kind in FAMILIES:
+        build_folder(kind, folder)
+    else:
+        FAMILIES[kind] = dict(rope_theta=10000.0)  # Llama's block; Qwen2 adds q/k/v biases
+        try:
+            build_folder(kind, folder)
+        finally:
+            del FAMILIES[kind]
+    return kind, load_target(folder, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine(family):
+    """An engine of the family's target with the compiled step, warmed up (every bucket compiled)."""
+    return engine_of(family[1])
+
+
+PROMPTS = [[1, 504, 3458, 314, 1345, 30, 1073, 2117, 7050, 28, 2683, 359, 253, 5356, 5646, 11, 288, 260, 1345, 314,
+            4172, 30, 378], [1, 2683, 359, 253, 5356, 5646, 11, 288, 260]]
+
+
+def engine_of(target):
+    from verify_server.config import ServerConfig
+    from verify_server.engine import Engine
+
+    # blocks of 4 positions, steps of at most 16 tokens: the buckets are 8 and 16
+    config = ServerConfig(max_sessions=4, max_seq_len=128, kv_block_size=4, max_batch_tokens=16, max_draft_tokens=7,
+                          prefix_cache_tokens=0, fused="off", compile="on")
+    engine = Engine(config, target)
+    engine.warmup()
+    return engine
+
+
+def rounds_match(engine, want: list[list[int]], label: str) -> None:
+    """Two sessions of PROMPTS, eight rounds under fail_on_recompile: a wrong draft of 7 (rejected across a block
+    boundary), then the right 7, in turn; the second session sits out every third round, so steps of 8 tokens and
+    of 16 both come. Every verdict's tokens must be `want`'s."""
+    drive = Driver(engine)
+    got: list[list[int]] = [[], []]
+    sizes = []
+    real = engine.runner.compiled.forward
+    engine.runner.compiled.forward = lambda inp: sizes.append(inp.token_ids.shape[0]) or real(inp)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            sessions = [drive.open(p) for p in PROMPTS]
+            drive.prefill_all()  # 22 + 8 prompt tokens in steps of at most 16
+            for i in range(8):
+                answers = []
+                for j, s in enumerate(sessions):
+                    if i % 3 == 2 and j:
+                        answers.append(None)
+                        continue
+                    draft = want[j][len(got[j]):len(got[j]) + 7] if i % 2 else [0] * 7
+                    answers.append((draft, drive.verify(s, draft)))
+                drive.run([a[1] for a in answers if a is not None])
+                for j, a in enumerate(answers):
+                    if a is None:
+                        continue
+                    draft, (verdict,) = a
+                    got[j] += list(draft[:verdict.n_accepted]) + [verdict.next_token]
+                    assert got[j] == want[j][:len(got[j])], (label, i, j)
+                    assert len(sessions[j].blocks) == -(-sessions[j].kv_len // 4)
+    finally:
+        engine.runner.compiled.forward = real
+    for s in sessions:
+        engine._close(s.id)
+    assert min(len(g) for g in got) >= 20
+    assert {8, 16} <= {engine.runner.compiled.bucket(n) for n in sizes}  # every bucket served real steps
+
+
+def test_compiled_greedy_tokens_are_transformers_in_every_bucket_without_a_recompile(family, engine):
+    kind, target = family
+    rounds_match(engine, [reference(target, p, 40) for p in PROMPTS], kind)
+
+
+def test_compiled_greedy_tokens_of_the_smollm2_target_are_transformers(target, reference_greedy):
+    want = [reference_greedy(tuple(p), 40) for p in PROMPTS]
+    assert min(len(w) for w in want) == 40  # no EOS inside: every round has tokens to draft
+    rounds_match(engine_of(target), want, "SmolLM2")
+
+
+def test_the_compiled_step_traces_whole(engine):
+    from kernels.attention import Segment
+    from verify_server.model_runner import ModelInput
+
+    # after the test above: explain() traces body's code again, with a backend of its own, which a later call of
+    # the compiled step takes for a recompile
+    step = engine.runner.compiled
+    assert step.buckets == (8, 16) and step.compiled == {8, 16}  # both compiled at warm-up
+    blocks = engine.kv.blocks.allocate(2)
+    inp = ModelInput.build([5, 6, 7], [Segment(tuple(blocks), 0, 3, 3, 4)], [0, 1, 2])
+    tokens, positions, rows, logit_rows = step.inputs[8]
+    plans = {w: p.block_mask for w, p in step.flex.plans(inp.segments, engine.runner.windows, 8).items()}
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(step.body)(tokens, positions, rows, logit_rows, plans, step.caches)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    engine.kv.blocks.free(blocks)
