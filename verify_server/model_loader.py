@@ -106,13 +106,21 @@ def vocabulary_tokenizer(folder: str | Path | None = None):
 
 
 def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype,
-                tokenizer: str | Path | None = None, cache: StartCache | None = None) -> Target:
+                tokenizer: str | Path | None = None, cache: StartCache | None = None,
+                shard: tuple[int, int] | None = None) -> Target:
     """The target; `tokenizer` (a tokenizer folder) gives a random target's vocabulary and is refused otherwise. A
-    GGUF is converted to a model folder in `cache` at its first load, so later loads skip the GGUF's slow reading."""
+    GGUF is converted to a model folder in `cache` at its first load, so later loads skip the GGUF's slow reading.
+    shard (rank, world): the model cut to that tensor-parallel shard; from a safetensors folder (a converted GGUF's
+    too) only the shard's slices are read (tensor_parallel.load_shard)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .tensor_parallel import load_shard, shard_model
+
     if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
-        return load_random_target(path, device, dtype, tokenizer=tokenizer)
+        target = load_random_target(path, device, dtype, tokenizer=tokenizer)
+        if shard is not None:
+            shard_model(target.model, *shard)
+        return target
     if tokenizer is not None:
         raise ValueError("a tokenizer folder applies to random targets only")
     path = Path(path) if path is not None else default_model_path()
@@ -141,14 +149,21 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
     check_architecture(config)  # before reading any weights
     log.info("loading target %s (%s, %s)", path, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    # the config read once: each read of a GGUF's metadata takes seconds
-    model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs).to(device).eval()
+    sliced = shard is not None and "gguf_file" not in kwargs and any(Path(folder).glob("*.safetensors"))
+    if sliced:
+        log.info("tensor-parallel rank %d of %d: reading its slices of %s", shard[0], shard[1], folder)
+        model = load_shard(Path(folder), config, dtype, *shard).to(device)
+    else:
+        # the config read once: each read of a GGUF's metadata takes seconds
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs).to(device).eval()
     vocab_size = int(model.config.vocab_size)
     tokens = vocab_tokens(tokenizer, vocab_size)
     eos = model.config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else ()
     if cache is not None and "gguf_file" in kwargs:
         cache.put_folder("target", gguf_key(path, dtype), lambda into: save_folder(model, tokenizer, into))
+    if shard is not None and not sliced:  # after the whole model was kept
+        shard_model(model, *shard)
     return Target(model=model, name=path.name, vocab_tokens=tokens, eos_token_ids=eos_ids,
                   fingerprint=vocab_fingerprint(tokens), tokenizer=tokenizer)
 

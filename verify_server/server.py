@@ -126,10 +126,12 @@ class VerifyServer:
         self.leader = Leader(cfg, self.attention, on_lost=lambda why: loop.call_soon_threadsafe(self._lose, why))
         try:
             device = rank_device(resolve_device(cfg.device), 0)
-            if self.target is None:
+            if self.target is None:  # rank 0's slices only, where the target is a safetensors folder
                 self.target = load_target(cfg.target, torch.device("cpu"), resolve_dtype(cfg.dtype, device),
-                                          cfg.tokenizer, StartCache(cfg.start_cache_folder()))
-            shard_model(self.target.model, 0, cfg.tensor_parallel)
+                                          cfg.tokenizer, StartCache(cfg.start_cache_folder()),
+                                          shard=(0, cfg.tensor_parallel))
+            else:
+                shard_model(self.target.model, 0, cfg.tensor_parallel)
             self.target.model.to(device)
             engine = Engine(cfg, self.target, self.attention, self.leader)
             self.leader.ready()

@@ -18,6 +18,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,58 @@ def shard_model(model: nn.Module, rank: int, world: int) -> None:
             _keep(row, 1, rank, world)
 
 
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kept by output rows
+ROW = ("o_proj", "down_proj")  # kept by input columns
+
+
+def load_shard(folder: Path, config, dtype: torch.dtype, rank: int, world: int) -> nn.Module:
+    """The model of a Hugging Face folder with only rank's slices of its projections read from the safetensors
+    files (the rest whole): a rank holds its shard and never the whole checkpoint, as shard_model would leave it."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    check_divisible(config, world)
+    where = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            where.update({name: file for name in f.keys()})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    shard_model(model, rank, world)  # the shard's shapes, nothing allocated
+    model.to_empty(device="cpu")
+    model.requires_grad_(False)
+    for name, param in model.named_parameters():
+        if name not in where:
+            if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+                continue  # tied below
+            raise ValueError(f"{folder} has no weight {name}")
+        # one tensor's mapping open at a time: the pages a slice touches are let go with it
+        with safe_open(str(where[name]), "pt") as f:
+            part = f.get_slice(name)
+            module = name.rsplit(".", 2)[-2]
+            shape = part.get_shape()
+            if module in COLUMN:
+                n = shape[0] // world
+                value = part[rank * n:(rank + 1) * n]
+            elif module in ROW and name.endswith(".weight"):
+                n = shape[1] // world
+                value = part[:, rank * n:(rank + 1) * n]
+            elif module in ROW and rank:  # a row-parallel bias is added once, after the all-reduce
+                value = torch.zeros(param.shape)
+            else:
+                value = part[:]
+            param.copy_(value.to(dtype))
+            del value
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    for module in model.modules():  # RoPE tables were not materialized: rebuilt (the runner keeps its own)
+        if hasattr(module, "rope_init_fn") and hasattr(module, "inv_freq"):
+            inv_freq, _ = module.rope_init_fn(module.config, torch.device("cpu"))
+            module.inv_freq = inv_freq
+            module.original_inv_freq = inv_freq
+    return model.eval()
+
+
 def init_group(rank: int, world: int, port: int, device: torch.device) -> Shard:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -109,8 +162,7 @@ def worker_main(rank: int, world: int, port: int, config, attention: str) -> Non
     shard = init_group(rank, world, port, device)
     try:
         target = load_target(config.target, torch.device("cpu"), resolve_dtype(config.dtype, device), config.tokenizer,
-                             StartCache(config.start_cache_folder()))
-        shard_model(target.model, rank, world)
+                             StartCache(config.start_cache_folder()), shard=(rank, world))
         target.model.to(device)
         _, runner = build_compute(config, target, attention, shard)
         ops = {"forward": runner.forward}

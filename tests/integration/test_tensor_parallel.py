@@ -68,13 +68,19 @@ async def session_verdicts(address: str, fingerprint: str, sampling: SamplingPar
         await client.close()
 
 
-def test_two_ranks_give_the_verdicts_of_one(tmp_path):
-    from verify_server.model_loader import load_target
+@pytest.mark.parametrize("source", ["random", "folder"])
+def test_two_ranks_give_the_verdicts_of_one(tmp_path, source):
+    """source folder: the same weights saved as safetensors, from which each rank reads only its slices."""
+    from verify_server.model_loader import load_target, save_folder
 
     spec_path = tmp_path / "shape.json"
     spec_path.write_text(json.dumps(SHAPE))
     spec = f"random:{spec_path}"
     target = load_target(spec, torch.device("cpu"), torch.float32)
+    if source == "folder":
+        spec = str(tmp_path / "target")
+        (tmp_path / "target").mkdir()
+        save_folder(target.model, target.tokenizer, tmp_path / "target")
     with torch.inference_mode():
         greedy = target.model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False,
                                        pad_token_id=0)[0, len(PROMPT):].tolist()
@@ -111,6 +117,8 @@ def test_two_ranks_give_the_verdicts_of_one(tmp_path):
         log = (tmp_path / f"tp{tp}.log").read_text()
         if tp == 2:
             assert "tensor parallel: 2 ranks ready (gloo)" in log
+            if source == "folder":  # both ranks read their slices alone
+                assert "rank 0 of 2: reading its slices" in log and "rank 1 of 2: reading its slices" in log
         _, alive = psutil.wait_procs(ranks, timeout=30)
         assert not alive  # the server stopped its ranks with it
     greedy_1, sampled_1 = runs[1]
