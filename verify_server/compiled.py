@@ -67,9 +67,10 @@ class CompiledStep:
 
     @staticmethod
     def attend(q, k_cache, v_cache, segments, scale, block_mask):
-        # the query as a buffer of its own: inductor's CPU template reads its 4-D layout
-        out = flex_attention(q.transpose(0, 1)[None].contiguous(), k_cache[None], v_cache[None], block_mask=block_mask,
-                             scale=scale, enable_gqa=k_cache.shape[0] != q.shape[1])
+        # The query scaled here, a 4-D buffer of its own: inductor's CPU template reads its input's layout as 4-D
+        # (a view of the projection's 3-D output fails, with one head too, where a copy would be elided).
+        out = flex_attention(q.transpose(0, 1)[None] * scale, k_cache[None], v_cache[None], block_mask=block_mask,
+                             scale=1.0, enable_gqa=k_cache.shape[0] != q.shape[1])
         return out[0].transpose(0, 1)
 
     @torch.inference_mode()

@@ -1,0 +1,179 @@
+"""The compiled step beside eager PyTorch and the fused C step, per family, over the paged pool.
+
+    sled-bench compiled --families llama,qwen3 --sizes 1x1,8x5,32x5 --context 512
+
+Each family is a random-weight model of one shape (--layers, --hidden; the families' own differences: Qwen2's
+biases, Qwen3's q/k norms, Gemma 3's norms and sliding layers, Mistral's window) on this CPU in float32. A size
+NxT is N sessions verifying T tokens each over --context cached tokens, every session in blocks of its own. The
+runners share one pool and take the same steps, interleaved round by round: `eager` (PyTorch, the server's default
+path), `fused` (the C step, Llama and Qwen2 only) and `compiled` (verify_server/compiled.py, every bucket the sizes
+need compiled first; the compile time is reported). The logits of the three are checked against eager's first.
+Writes its section of docs/benchmarks.md and, with --json, the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .cli import positive
+from .report import machine, publish
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "## Compiled step beside eager and fused (CPU)"
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "mistral")
+
+
+def _sizes(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(x) for x in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != 2 or min(s) < 1 for s in out):
+        raise argparse.ArgumentTypeError(f"sizes are SESSIONSxTOKENS, comma-separated (1x1,8x5), got {text!r}")
+    return out
+
+
+def _families(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    if not kinds or any(k not in FAMILIES for k in kinds):
+        raise argparse.ArgumentTypeError(f"families are {', '.join(FAMILIES)}, got {text!r}")
+    return kinds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", type=_families, default=list(FAMILIES), help=f"default {','.join(FAMILIES)}")
+    p.add_argument("--sizes", type=_sizes, default=_sizes("1x1,8x5,32x5"), help="default 1x1,8x5,32x5")
+    p.add_argument("--context", type=positive(int), default=512, help="cached tokens a session (default 512)")
+    p.add_argument("--layers", type=positive(int), default=8, help="layers of each model (default 8)")
+    p.add_argument("--hidden", type=positive(int), default=576, help="hidden size; heads of 64 (default 576)")
+    p.add_argument("--steps", type=positive(int), default=10, help="timed steps per runner per round (default 10)")
+    p.add_argument("--rounds", type=positive(int), default=3, help="rounds, runners interleaved (default 3)")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
+    return p
+
+
+def model_of(kind: str, layers: int, hidden: int):
+    """A random-weight model of the family at the shape, stabilized as the random targets are."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verify_server.model_loader import stabilize
+
+    heads = hidden // 64
+    extra = {"gemma3_text": dict(query_pre_attn_scalar=64, sliding_window=128,
+                                 layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                              for i in range(layers)]),
+             "mistral": dict(sliding_window=256)}.get(kind, {})
+    config = AutoConfig.for_model(kind, vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                                  num_hidden_layers=layers, num_attention_heads=heads,
+                                  num_key_value_heads=max(1, heads // 3), head_dim=64, tie_word_embeddings=True,
+                                  max_position_embeddings=4096, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    if kind != "gemma3_text":
+        stabilize(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def run_family(kind: str, args) -> tuple[list[dict], dict]:
+    import torch
+
+    from kernels.attention import Segment
+    from verify_server.compiled import CompiledStep
+    from verify_server.kv_cache import KVCache
+    from verify_server.model_runner import ModelInput, ModelRunner
+
+    model = model_of(kind, args.layers, args.hidden)
+    cfg = model.config
+    most = max(n for n, _ in args.sizes)
+    longest = max(t for _, t in args.sizes)
+    seq = args.context + longest
+    kv = KVCache.create(cfg.num_hidden_layers, most * (seq + 16), 16, cfg.num_key_value_heads, 64, torch.float32,
+                        torch.device("cpu"), seq)
+    tables = [tuple(kv.blocks.allocate(kv.blocks_for(seq))) for _ in range(most)]
+    g = torch.Generator().manual_seed(1)
+    kv.k.normal_(generator=g).mul_(0.5)
+    kv.v.normal_(generator=g).mul_(0.5)
+    runners = {"eager": ModelRunner(model, kv, fused="off")}
+    fused = ModelRunner(model, kv, fused="auto", fused_max_tokens=1 << 20)
+    if fused.fused is not None:
+        runners["fused"] = fused
+    compiled = ModelRunner(model, kv, fused="off")
+    compiled.compiled = CompiledStep(compiled, max(n * t for n, t in args.sizes))
+    runners["compiled"] = compiled
+
+    def batch(n: int, t: int) -> ModelInput:
+        ids = torch.randint(3, cfg.vocab_size, (n * t,), generator=torch.Generator().manual_seed(n * 100 + t))
+        segs = [Segment(tables[s], s * t, t, args.context + t, 16) for s in range(n)]
+        return ModelInput.build(ids.tolist(), segs, list(range(n * t)))
+
+    inputs = {size: batch(*size) for size in args.sizes}
+    t0 = time.monotonic()
+    for size, inp in inputs.items():  # compiles each bucket the sizes need
+        compiled.forward(inp)
+    compile_s = time.monotonic() - t0
+    print(f"[bench] {kind}: compiled {sorted(compiled.compiled.compiled)} in {compile_s:.0f}s", flush=True)
+    worst = 0.0
+    for inp in inputs.values():
+        want = runners["eager"].forward(inp)
+        for name, runner in runners.items():
+            worst = max(worst, (runner.forward(inp) - want).abs().max().item())
+    times = {(name, size): [] for name in runners for size in args.sizes}
+    for _ in range(args.rounds):
+        for size, inp in inputs.items():
+            for name, runner in runners.items():
+                runner.forward(inp)
+                for _ in range(args.steps):
+                    t1 = time.perf_counter()
+                    runner.forward(inp)
+                    times[(name, size)].append(time.perf_counter() - t1)
+    rows = []
+    for size in args.sizes:
+        p50 = {name: statistics.median(times[(name, size)]) * 1000 for name in runners}
+        rows.append({"family": kind, "sessions": size[0], "tokens": size[1], "context": args.context,
+                     **{f"{name}_ms": ms for name, ms in p50.items()},
+                     "compiled_over_eager": p50["eager"] / p50["compiled"],
+                     "compiled_over_fused": p50["fused"] / p50["compiled"] if "fused" in p50 else None})
+    for row in rows:
+        row.update(compile_s=compile_s, max_logit_difference=worst)
+    return rows, {"family": kind, "compile_s": compile_s, "max_logit_difference": worst}
+
+
+def main(args) -> int:
+    import torch
+
+    rows, meta = [], []
+    for kind in args.families:
+        got, info = run_family(kind, args)
+        rows += got
+        meta.append(info)
+    lines = ["| family | sessions × tokens | eager ms | fused ms | compiled ms | eager / compiled | fused / compiled |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        fused = f"{r['fused_ms']:.1f}" if "fused_ms" in r else "—"
+        over_fused = f"{r['compiled_over_fused']:.2f}x" if r["compiled_over_fused"] else "—"
+        lines.append(f"| {r['family']} | {r['sessions']} × {r['tokens']} | {r['eager_ms']:.1f} | {fused} | "
+                     f"{r['compiled_ms']:.1f} | {r['compiled_over_eager']:.2f}x | {over_fused} |")
+    compiles = ", ".join(f"{m['family']} {m['compile_s']:.0f} s" for m in meta)
+    worst = max(m["max_logit_difference"] for m in meta)
+    command = "sled-bench compiled " + " ".join(sys.argv[2:])
+    section = "\n".join([
+        MARKER, "",
+        f"`{command.strip()}` on {machine()}, {torch.get_num_threads()} torch threads, "
+        f"{datetime.now(timezone.utc):%Y-%m-%d}.", "",
+        f"Random-weight models of {args.layers} layers, hidden {args.hidden} (heads of 64), float32; each size is N "
+        f"sessions verifying T tokens over {args.context} cached tokens. Step p50 in ms, the runners interleaved "
+        f"over {args.rounds} rounds of {args.steps} steps. The compiled step's buckets compiled first ({compiles}); "
+        f"the largest logit difference from eager was {worst:.1e}. The fused C step computes Llama's block only.",
+        "", *lines, ""])
+    publish(args.markdown, MARKER, section, args.json, rows)
+    return 0
