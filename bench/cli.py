@@ -17,6 +17,8 @@ COMMANDS = {
                                    "stacked drafters against the model alone"),
     "engine": ("bench.engine", "the target's decode step at batch 1 against the memory-bandwidth floor (CPU)"),
     "compiled": ("bench.compiled", "the compiled step beside eager PyTorch and the fused C step, per family (CPU)"),
+    "gpu-check": ("bench.gpu_check", "for a lent GPU: the step against the floor and transformers' compiled static "
+                                     "cache, and the compiled step's greedy agreement with eager"),
     "gpu-step": ("bench.gpu_step", "the target's step on a GPU: per-segment attention against one padded call"),
     "sim-rounds": ("bench.sim_rounds", "a discrete-event model of devices and one server: the adaptive K against "
                                        "fixed K"),

@@ -51,6 +51,9 @@ class CompiledStep:
         # each layer's pool as an input of its own (a view made here): inductor's FlexAttention reads its input
         self.caches = [(kv.k[i], kv.v[i]) for i in range(kv.k.shape[0])]
         mode = "reduce-overhead" if runner.device.type == "cuda" else None  # CUDA graphs on CUDA
+        # Each bucket (and each step object of the process) is one more graph of the same function: past dynamo's
+        # default of 8 it would stop compiling (and fail, fullgraph) rather than serve the eleventh bucket.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         self.fn = torch.compile(self.body, fullgraph=True, dynamic=False, mode=mode)
         self.compiled: set[int] = set()
 
