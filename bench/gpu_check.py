@@ -139,8 +139,6 @@ def hf_static(model, ids, context: int, device):
 
 
 def main(args) -> int:
-    import torch
-
     from verify_server.model_loader import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
