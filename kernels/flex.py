@@ -48,7 +48,8 @@ class PagedFlex:
     """The buffers and the compiled kernel of one runner's FlexAttention over its pool."""
 
     def __init__(self, num_blocks: int, block_size: int, max_seq_len: int, device, q_block: int = 8,
-                 max_tokens: int = 2048, max_segments: int = 256, max_tree: int = 64, compiled: bool = True):
+                 max_tokens: int = 2048, max_segments: int | None = None, max_tree: int = 64, compiled: bool = True):
+        max_segments = max_segments or max_tokens  # a segment has at least one token
         self.block_size, self.q_block, self.num_blocks = block_size, q_block, num_blocks
         self.rows = num_blocks * block_size
         width = -(-max_seq_len // block_size)

@@ -399,8 +399,8 @@ class ModelRunner:
     def forward(self, inp: ModelInput) -> torch.Tensor:  # [num_logit_rows, vocab]
         n = inp.token_ids.shape[0]
         fused = self.fused is not None and n <= self.fused_max_tokens
-        if self.compiled is not None and not fused:
-            return self.compiled.forward(inp)
+        if self.compiled is not None and not fused and n <= self.compiled.buckets[-1]:
+            return self.compiled.forward(inp)  # a step past the largest bucket (a calibration's) runs eager
         tokens = inp.token_ids.to(self.device)
         positions = inp.positions.to(self.device)
         h = self.embed_tokens(tokens)

@@ -100,6 +100,32 @@ def test_compiled_greedy_tokens_of_the_smollm2_target_are_transformers(target, r
     rounds_match(engine_of(target), want, "SmolLM2")
 
 
+def test_a_step_past_the_largest_bucket_runs_eager(engine):
+    """A calibration's forward of more tokens than any bucket holds goes through the eager path, not a new
+    compile (the scheduler itself never builds one)."""
+    from kernels.attention import Segment
+    from verify_server.model_runner import ModelInput
+
+    blocks = engine.kv.blocks.allocate(6)
+    inp = ModelInput.build(list(range(5, 25)), [Segment(tuple(blocks), 0, 20, 20, 4)], list(range(20)))
+    calls = []
+    step = engine.runner.compiled
+    real = step.forward
+    step.forward = lambda i: calls.append(i) or real(i)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = engine.runner.forward(inp)
+    finally:
+        step.forward = real
+    engine.runner.compiled = None
+    try:
+        want = engine.runner.forward(inp)
+    finally:
+        engine.runner.compiled = step
+    engine.kv.blocks.free(blocks)
+    assert not calls and torch.equal(got, want)
+
+
 def test_the_compiled_step_traces_whole(engine):
     from kernels.attention import Segment
     from verify_server.model_runner import ModelInput
