@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .compiled import _sizes as sizes_arg
 from .cli import positive
+from .gpu_step import sync
 from .report import copy_bandwidth, gpu_name, machine, publish
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,11 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"), help="file whose section is rewritten")
     return p
-
-
-def sync(torch, device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_shape(spec: str, args, device, dtype) -> list[dict]:

@@ -37,6 +37,7 @@ class BlockPool:
         self.block_size = block_size
         self.max_cached = prefix_cache_tokens // block_size  # idle blocks kept for their prefix
         self.refs = [0] * num_blocks
+        self._shared = 0  # blocks whose reference count is above 1, kept as counts change (read every step)
         self._empty = list(range(num_blocks - 1, -1, -1))  # free, holding nothing worth keeping
         self._idle: OrderedDict[int, None] = OrderedDict()  # free, published: least recently freed first
         self._by_hash: dict[bytes, int] = {}
@@ -53,7 +54,7 @@ class BlockPool:
     @property
     def num_shared(self) -> int:
         """Blocks held by more than one session."""
-        return sum(1 for r in self.refs if r > 1)
+        return self._shared
 
     @property
     def num_cached(self) -> int:
@@ -86,6 +87,8 @@ class BlockPool:
             if self.refs[block] <= 0:
                 raise ValueError(f"block {block} is not held")
             self.refs[block] -= 1
+            if self.refs[block] == 1:
+                self._shared -= 1
             if self.refs[block]:
                 continue
             if block in self._hash_of and self.max_cached:
@@ -111,6 +114,8 @@ class BlockPool:
             if self.refs[block] == 0:
                 del self._idle[block]
             self.refs[block] += 1
+            if self.refs[block] == 2:
+                self._shared += 1
             out.append(block)
         return out
 
