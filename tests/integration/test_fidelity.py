@@ -15,10 +15,11 @@ from tests.conftest import PROMPTS, run
 pytestmark = pytest.mark.model
 
 
-async def _generate_all(address, tokenizer, jobs, max_tokens, draft_tokens=4, sampling=SamplingParams(), adaptive=True):
+async def _generate_all(address, tokenizer, jobs, max_tokens, draft_tokens=4, sampling=SamplingParams(), adaptive=True,
+                        options=DrafterOptions(context_size=512, threads=1)):
     """jobs: list of (prompt_ids, drafter name); all sessions run at once over one channel."""
     client = VerifierClient(address)
-    drafters = [create_drafter(name, DrafterOptions(context_size=512, threads=1)) for _, name in jobs]
+    drafters = [create_drafter(name, options) for _, name in jobs]
     try:
         return await asyncio.gather(
             *[
