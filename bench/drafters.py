@@ -219,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated quantizations the Q4_1 drafter is requantized to, one row each, e.g. "
                         "q2_k,q4_0,q8_0,iq4_nl: a weaker drafter (q2_k), or another format to draft in (default q2_k)")
     p.add_argument("--no-onnx", dest="onnx", action="store_false", help="leave the ONNX drafter out")
+    p.add_argument("--trained", action="append", default=[], metavar="FILE",
+                   help="an .onnx drafter made by sled-train (repeatable): compares the trained drafters alone, with "
+                        "--early-exit's, in a section of their own")
+    p.add_argument("--early-exit", type=positive(int), metavar="L",
+                   help="with --trained: also the untrained first L layers of the target (scripts/export_onnx_draft.py "
+                        "--layers L --int8), what an imitation head is trained on")
     p.add_argument("--device-pace", type=at_least_one, default=1.0, metavar="F",
                    help="run every drafter as on a device F times slower than this host (each drafter call padded "
                         "to F times its time by sleeping, which takes no CPU from the server); F above 1 writes its "
@@ -231,14 +237,73 @@ def build_parser() -> argparse.ArgumentParser:
 at_least_one = at_least(1.0)  # --device-pace: 1 is a device as fast as this host
 
 
-def marker(pace: float, adaptive: bool = False) -> str:
-    """The section's heading: a paced run's, and an adaptive K's, is its own (and not one the plain heading is part
-    of)."""
+def marker(pace: float, adaptive: bool = False, trained: bool = False) -> str:
+    """The section's heading: a paced run's, an adaptive K's and the trained drafters' is its own (and not one the
+    plain heading is part of)."""
+    if trained:
+        return (f"## Drafters trained by sled-train{' with the adaptive K' if adaptive else ''}: acceptance on "
+                "repetitive, edit and free text")
     if pace == 1.0 and not adaptive:
         return MARKER
     device = "a device" if pace == 1.0 else f"a device drafting {pace:g}x slower than this host"
     return (f"## Drafters on {device}{' with the adaptive K' if adaptive else ''}: acceptance on repetitive, edit and "
             "free text")
+
+
+def trained_name(meta: dict) -> str:
+    t = meta.get("trained", {})
+    if meta.get("kind") == "parallel":
+        return f"trained parallel, {meta['loss']} ({t.get('layers')} layers + {t.get('head_layers')}, {meta['slots']} slots)"
+    return f"trained imitation ({t.get('layers')} layers + {t.get('head_layers')})"
+
+
+def trained_drafters(args, work: Path) -> tuple[dict, list[str]]:
+    """The --trained drafters and --early-exit's, by row name, and each trained one's held-out acceptance line."""
+    import json
+
+    rows, notes = {}, []
+    if args.early_exit:
+        path = str(work / f"early-exit-{args.early_exit}.onnx")
+        tool("export_onnx_draft.py", "--output", path, "--layers", str(args.early_exit), "--int8")
+        rows[f"untrained early exit ({args.early_exit} layers)"] = ("onnx", DrafterOptions(
+            onnx_model=path, threads=DRAFTER_THREADS))
+    for path in args.trained:
+        meta_path = Path(path).with_suffix(".json")
+        if not meta_path.is_file():
+            raise RuntimeError(f"--trained {path}: {meta_path} (written by sled-train) is missing")
+        meta = json.loads(meta_path.read_text())
+        name = trained_name(meta)
+        rows[name] = ("parallel" if meta.get("kind") == "parallel" else "onnx",
+                      DrafterOptions(onnx_model=str(path), threads=DRAFTER_THREADS))
+        held = meta.get("held_out")
+        if held:
+            notes.append(f"- {name}: held-out (its card) mean acceptance length {held['mean_acceptance_length']:.2f} "
+                         "at K = 4; drafts whose first 1..4 tokens are all kept: "
+                         + ", ".join(f"{p:.2f}" for p in held["acceptance_by_position"]))
+    return rows, notes
+
+
+def trained_goals(rows: list[dict]) -> str:
+    """Each trained imitation row against the early exit (acceptance length and tok/s), and each parallel row
+    against the trained autoregressive row (tok/s), text set by text set."""
+    by = {(r["drafter"], r["text"]): r for r in rows}
+    names = list(dict.fromkeys(r["drafter"] for r in rows))
+    early = [n for n in names if n.startswith("untrained early exit")]
+    imitation = [n for n in names if n.startswith("trained imitation")]
+    parallel = [n for n in names if n.startswith("trained parallel")]
+    out = []
+
+    def ratios(a, b, key):
+        return ", ".join(f"{text} {by[a, text][key] / by[b, text][key]:.2f}x" for text in ("repetitive", "edit", "free")
+                         if (a, text) in by and (b, text) in by)
+    for a in imitation:
+        for b in early:
+            out.append(f"- {a} / {b}: mean acceptance length {ratios(a, b, 'mean_acceptance_length')} (goal 1.3x); "
+                       f"device tok/s {ratios(a, b, 'tokens_per_s')} (goal 1.2x)")
+    for a in parallel:
+        for b in imitation:
+            out.append(f"- {a} / {b}, device tok/s: {ratios(a, b, 'tokens_per_s')} (goal 1.3x)")
+    return "\n".join(out)
 
 
 def server_threads(cores: int | None) -> int:
@@ -278,8 +343,13 @@ def drafters(args, work: Path) -> tuple[dict, dict]:
 
 
 def main(args) -> int:
+    notes: list[str] = []
     try:
-        compared, stacked_on = drafters(args, Path(tempfile.mkdtemp(prefix="sled-drafters-")))
+        work = Path(tempfile.mkdtemp(prefix="sled-drafters-"))
+        if args.trained:
+            (compared, notes), stacked_on = trained_drafters(args, work), {}
+        else:
+            compared, stacked_on = drafters(args, work)
     except RuntimeError as err:  # a tool refused (an unknown --requantized type) or failed
         print(f"sled-bench drafters: {err}", file=sys.stderr)
         return 2
@@ -332,10 +402,11 @@ def main(args) -> int:
         f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
         for model, cost in costs.items()
     ]
-    table = "\n".join(lines) + "\n\n" + "\n".join([stack_goals(rows, stacked_on), *checked, *walks, *ceilings])
+    goals = trained_goals(rows) if args.trained else stack_goals(rows, stacked_on)
+    table = "\n".join(lines) + "\n\n" + "\n".join([goals, *notes, *checked, *walks, *ceilings])
     print("\n" + table)
     section = (
-        f"{marker(args.device_pace, args.adaptive)}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{marker(args.device_pace, args.adaptive, bool(args.trained))}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
         f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
@@ -356,5 +427,5 @@ def main(args) -> int:
         "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
         "propose nothing when they find no match, so their drafted / round is below K\n\n"
         + table + "\n")
-    publish(args.markdown, marker(args.device_pace, args.adaptive), section, args.json, rows)
+    publish(args.markdown, marker(args.device_pace, args.adaptive, bool(args.trained)), section, args.json, rows)
     return 0
