@@ -164,7 +164,8 @@ class ParallelGraph(DraftGraph):
         s = self.slots.shape[0]
         h, keys, values = self.context(input_ids, past_keys, past_values, self.blocks[:self.backbone_len])
         x = torch.cat([h, h[:, -1:] + self.slots[None]], dim=1)
-        cos, sin = rope((torch.arange(n + s) + past)[None], self.freqs)
+        positions = torch.cat([torch.arange(n), torch.arange(s) + n - 1]) + past  # slot j at the last position + j
+        cos, sin = rope(positions[None], self.freqs)
         # context rows are causal and never see the slots; slot rows see everything
         top = torch.cat([causal_mask(past, n), torch.full((n, s), float("-inf"))], dim=1)
         mask = torch.cat([top, torch.zeros(s, past + n + s)], dim=0)
@@ -202,9 +203,12 @@ def write_onnx(graph: torch.nn.Module, path, output_names: tuple[str, str, str],
                           input_names=["input_ids", "past_keys", "past_values"], output_names=list(output_names),
                           dynamic_axes=axes)
     if int8:
+        import logging
+
         import onnx
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+        logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per node
         # Weight-only int8 (blockwise, MatMulNBits): activations stay float, so the outliers of small
         # LMs do not wreck it as dynamic activation quantization does.
         log("[export] quantizing MatMul weights to int8 (weight-only, block 32) ...")

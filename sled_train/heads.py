@@ -56,7 +56,8 @@ class ImitationHead(Head):
 
 class ParallelHead(Head):
     """SpecFormer's draft block: S slot rows, each the last context row's hidden state plus a learned vector, attend
-    causally to the context and bidirectionally to each other; with `blank`, a CTC head's extra logit."""
+    causally to the context and bidirectionally to each other; with `blank`, a CTC head's extra logit. Slot j sits at
+    the last context position + j, so slot 0 starts as that row's own next-token prediction."""
 
     kind = "parallel"
 
@@ -78,7 +79,7 @@ class ParallelHead(Head):
         rows = torch.gather(hidden, 1, anchors[..., None].expand(b, a, d))  # [B, A, hidden]
         slots = (rows[:, :, None] + self.slots[None, None]).reshape(b, a * s, d)
         x = torch.cat([hidden, slots], dim=1)
-        slot_pos = (anchors[..., None] + 1 + torch.arange(s, device=dev)).reshape(b, a * s)
+        slot_pos = (anchors[..., None] + torch.arange(s, device=dev)).reshape(b, a * s)
         positions = torch.cat([torch.arange(t, device=dev)[None].expand(b, t), slot_pos], dim=1)
         x = self.run(x, positions, self.mask(anchors.cpu(), t, s).to(dev))
         return self.norm(x[:, t:].reshape(b, a, s, d))

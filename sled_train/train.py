@@ -178,16 +178,18 @@ def step_loss(args, head, feats: list[D.Features], step: int, device) -> torch.T
             loss = loss + args.hidden_weight * F.mse_loss(x, final)
         return loss
     k, g = args.heads, torch.Generator().manual_seed(args.seed * 1_000_003 + step + 7)
-    anchors, targets = [], []
+    anchors = []
     for f in rows:
         choices = anchors_of(f, k)
-        a = choices[torch.randint(len(choices), (args.anchors,), generator=g)]
-        anchors.append(a)
-        targets.append(torch.stack([f.ids[a + 1 + j] for j in range(k)], dim=-1))
-    anchors, targets = torch.stack(anchors).to(device), torch.stack(targets).to(device)  # [B, A], [B, A, K]
+        anchors.append(choices[torch.randint(len(choices), (args.anchors,), generator=g)])
+    at = [torch.stack([a + j for j in range(k)], dim=-1) for a in anchors]  # [A, K]: slot j's position
+    anchors = torch.stack(anchors).to(device)  # [B, A]
     logits = head.slot_logits(head(hidden, anchors))  # [B, A, S, V (+1)]
-    if args.loss == "ce":
-        return F.cross_entropy(logits[:, :, :k].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    if args.loss == "ce":  # slot j against the target's distribution after the answer up to anchor + j
+        top_ids = torch.stack([f.top_ids[a] for f, a in zip(rows, at)]).to(device)  # [B, A, K, TOP_K]
+        top_probs = torch.stack([f.top_probs[a] for f, a in zip(rows, at)]).to(device)
+        return soft_cross_entropy(logits[:, :, :k], top_ids, top_probs).mean()
+    targets = torch.stack([f.ids[a + 1] for f, a in zip(rows, at)]).to(device)  # [B, A, K]: the answer's tokens
     blank = logits.shape[-1] - 1
     return ctc_loss(logits.reshape(-1, *logits.shape[2:]), targets.reshape(-1, k), blank).mean()
 

@@ -1,6 +1,7 @@
 """sled-bench drafters: the stacked drafters' ratios to the model alone, text set by text set."""
 
-from bench.drafters import copied_tokens, guess_walk, median_run, stack_ceiling, stack_goals
+from bench.drafters import (copied_tokens, guess_walk, marker, median_run, stack_ceiling, stack_goals, trained_goals,
+                            trained_name)
 
 
 def test_stacked_rows_are_read_against_their_own_model_alone():
@@ -105,3 +106,20 @@ def test_the_server_leaves_the_devices_drafting_thread_a_core_of_its_own():
     from bench.drafters import server_threads
 
     assert [server_threads(n) for n in (None, 1, 2, 16)] == [1, 1, 1, 15]
+
+
+def test_trained_rows_are_read_against_the_early_exit_and_the_autoregressive_head():
+    rows = [{"drafter": d, "text": t, "tokens_per_s": v, "mean_acceptance_length": m} for d, t, v, m in (
+        ("untrained early exit (8 layers)", "edit", 20.0, 1.0), ("untrained early exit (8 layers)", "free", 20.0, 1.1),
+        ("trained imitation (8 layers + 1)", "edit", 30.0, 1.5), ("trained imitation (8 layers + 1)", "free", 22.0, 1.1),
+        ("trained parallel, ce (8 layers + 1, 4 slots)", "edit", 33.0, 1.3))]
+    assert trained_goals(rows).splitlines() == [
+        "- trained imitation (8 layers + 1) / untrained early exit (8 layers): mean acceptance length edit 1.50x, "
+        "free 1.00x (goal 1.3x); device tok/s edit 1.50x, free 1.10x (goal 1.2x)",
+        "- trained parallel, ce (8 layers + 1, 4 slots) / trained imitation (8 layers + 1), device tok/s: edit 1.10x "
+        "(goal 1.3x)"]
+    meta = {"kind": "parallel", "loss": "ctc", "slots": 6, "trained": {"layers": 8, "head_layers": 1}}
+    assert trained_name(meta) == "trained parallel, ctc (8 layers + 1, 6 slots)"
+    assert trained_name({"kind": "autoregressive", "trained": {"layers": 8, "head_layers": 2}}) == \
+        "trained imitation (8 layers + 2)"
+    assert marker(1.0, True, trained=True) != marker(1.0, False, trained=True) != marker(1.0)
