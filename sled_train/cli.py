@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "collapse (ctc)")
     par.add_argument("--slots", type=positive(int), metavar="S",
                      help="query slots (default: K for ce; K + K/2 for ctc, room for blanks and repeats)")
+    par.add_argument("--init", metavar="CHECKPOINT",
+                     help="start the blocks from a sled-train imitation checkpoint of the same --layers and "
+                     "--head-layers (its work folder's NAME.checkpoint.pt): slot 0 then starts as that head")
     par.add_argument("--anchors", type=positive(int), default=DEFAULTS["anchors"],
                      help=f"context ends trained a sequence a step (default {DEFAULTS['anchors']})")
     return p

@@ -59,11 +59,14 @@ def train(args, target=None) -> dict:
         head = ImitationHead(bmodel, args.layers, args.head_layers)
     else:
         head = ParallelHead(bmodel, args.layers, args.head_layers, args.slots, args.loss == "ctc", args.seed)
+    if getattr(args, "init", None):
+        start_from(head, Path(args.init), args)
     head.to(device)
     config = {"kind": args.kind, "layers": args.layers, "head_layers": args.head_layers, "data": data_s["key"],
               "slots": getattr(args, "slots", None), "loss": getattr(args, "loss", "kl"), "steps": args.steps,
               "batch": args.batch, "lr": args.lr, "seed": args.seed, "hidden_weight": getattr(args, "hidden_weight", 0),
-              "anchors": getattr(args, "anchors", None), "heads": getattr(args, "heads", None)}
+              "anchors": getattr(args, "anchors", None), "heads": getattr(args, "heads", None),
+              "init": getattr(args, "init", None)}
     train_s, losses = fit(args, head, train_set, config, work / f"{out.stem}.checkpoint.pt", device)
     head.eval()
     log("[train] measuring acceptance on the held-out prompts ...")
@@ -94,6 +97,23 @@ def train(args, target=None) -> dict:
         f"K = {EVAL_K}: {held['mean_acceptance_length']:.2f}"
         + (f" (untrained early exit: {held['untrained']['mean_acceptance_length']:.2f})" if "untrained" in held else ""))
     return report
+
+
+def start_from(head, path: Path, args) -> None:
+    """Loads an imitation checkpoint's blocks into a parallel head (its slots and blank stay as initialised)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--init: {path} does not exist")
+    state = torch.load(path, weights_only=False)
+    made = state.get("config", {})
+    if made.get("kind") != "imitation" or (made.get("layers"), made.get("head_layers")) != (args.layers,
+                                                                                              args.head_layers):
+        raise ValueError(f"--init: {path} is not an imitation checkpoint with --layers {args.layers} and "
+                         f"--head-layers {args.head_layers}")
+    blocks = {k: v for k, v in state["head"].items() if k.startswith("blocks.")}
+    missing = [k for k in head.load_state_dict(blocks, strict=False).missing_keys if k.startswith("blocks.")]
+    if missing or not blocks:
+        raise ValueError(f"--init: {path} lacks the blocks {', '.join(missing) or 'all of them'}")
+    log(f"[train] blocks from {path} (step {state['step']})")
 
 
 def dataset(args, target, backbone, work: Path):

@@ -54,16 +54,33 @@ def chi2_ok(samples: np.ndarray, probs: np.ndarray) -> None:
     assert stat.pvalue > 1e-3, f"p = {stat.pvalue:.2g}"
 
 
+def sharp_slots(count: int, width: int, blank: bool) -> np.ndarray:
+    """Slot logits where the choices matter: each slot its own few likely tokens, a CTC slot's blank and the slot
+    before's likely token with much of the mass (so a q that kept them would be far off)."""
+    rows = np.full((count, width), -30.0, dtype=np.float32)
+    for j in range(count):
+        likely = ([500, 501], [500, 502, 503], [502, 504])[j % 3]
+        rows[j, likely] = np.linspace(2.0, 1.0, len(likely))
+        if blank:
+            rows[j, width - 1] = 1.5
+    return rows
+
+
 @pytest.mark.parametrize("name", ["parallel-ce", "parallel-ctc"])
 def test_sampling_with_a_parallel_drafters_q_keeps_the_target_distribution(trained, name):
     """Drafts drawn by the drafter itself (its q as sent, a CTC draft's q without the blank and the slot before's
-    token), verified by the server's rule against a synthetic target over the tokens they use and a few more."""
+    token), verified by the server's rule against a synthetic target over the tokens they use and a few more. The
+    slots' logits are set sharp after the model's forward, so that a wrong q shows."""
     _, path = trained[name]
     drafter = create_drafter("parallel", DrafterOptions(onnx_model=str(path), context_size=512, threads=1))
     context, n, k = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 30], 6000, 2
+    drafter.begin(context, SamplingParams(temperature=1.0))
+    drafter.propose(context, k)
+    slots = sharp_slots(drafter.slots, drafter._logits.shape[1], drafter.blank is not None)
     proposals = []
-    for seed in range(n):  # one forward: the context is cached and each seed draws again from the same slots
+    for seed in range(n):  # the context is cached: each seed draws again from the same slots
         drafter.begin(context, SamplingParams(temperature=1.0, seed=seed))
+        drafter._logits = slots
         proposals.append(drafter.propose(context, k))
     drafter.close()
     vocab = sorted({int(i) for p in proposals for q in p.q_ids for i in q} | set(range(100, 108)))

@@ -181,3 +181,17 @@ def test_every_command_has_help(capsys, kind):
     with pytest.raises(SystemExit) as done:
         main([kind, "--help"])
     assert done.value.code == 0 and "--output" in capsys.readouterr().out
+
+
+def test_a_parallel_head_starts_from_an_imitation_checkpoint_of_the_same_shape(tiny, tmp_path):
+    from sled_train.train import start_from
+
+    train(parse(argv(tmp_path)), tiny)
+    ckpt = tmp_path / "work" / "imitation.checkpoint.pt"
+    head = ParallelHead(tiny.model, 1, 1, slots=4, blank=False, seed=0)
+    start_from(head, ckpt, parse(argv(tmp_path, "parallel")))
+    saved = torch.load(ckpt, weights_only=False)["head"]
+    assert all(torch.equal(head.state_dict()[k], v) for k, v in saved.items() if k.startswith("blocks."))
+    with pytest.raises(ValueError, match="--head-layers 2"):
+        start_from(ParallelHead(tiny.model, 1, 2, slots=4, blank=False, seed=0), ckpt,
+                   parse(argv(tmp_path, "parallel", "--head-layers", "2")))
