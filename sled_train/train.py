@@ -129,7 +129,7 @@ def dataset(args, target, backbone, work: Path):
             saved = torch.load(path, weights_only=False)
             if saved.get("key") == key:
                 log(f"[train] distilled data from {path}")
-                return saved["train"], saved["eval"], saved["stats"]
+                return saved["train"], saved["eval"], saved["stats"] | {"reused": True}
         except Exception as err:  # a torn or foreign file: made again, never trusted
             log(f"[train] {path} is unreadable ({type(err).__name__}); distilling again")
     prompts = D.corpus([c for c in args.corpus.split(",") if c])
@@ -329,8 +329,9 @@ def card(args, meta: dict, report: dict) -> str:
         f"- training: {tr['steps']} steps of {args.batch} sequences, AdamW at {args.lr} (cosine), seed {args.seed}, "
         f"on {args.device}; loss {report['loss_first'][0] if report['loss_first'] else '?'} at the first step, "
         f"{sum(report['loss_last']) / max(1, len(report['loss_last'])):.3f} over the last 10",
-        f"- time: distilling {data['seconds'] / 60:.1f} min (when made in this run), training "
-        f"{tr['seconds'] / 60:.1f} min, {report['total_s'] / 60:.1f} min in all",
+        f"- time: {'the distilled data reused from the work folder (made in ' if data.get('reused') else 'distilling '}"
+        f"{data['seconds'] / 60:.1f} min{')' if data.get('reused') else ''}, training {tr['seconds'] / 60:.1f} min, "
+        f"{report['total_s'] / 60:.1f} min in all",
         f"- held-out acceptance (greedy, K = {EVAL_K}, {held['anchors']} drafts): mean acceptance length "
         f"{held['mean_acceptance_length']:.2f}; share of drafts whose first 1..{EVAL_K} tokens are all kept: {by_pos}",
     ]

@@ -138,6 +138,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights_as_one_straight_through(
     assert meta["kind"] == ("parallel" if kind == "parallel" else "autoregressive")
     card = (broken / f"{kind}.md").read_text()
     assert "held-out acceptance" in card and "random:llama-tiny" in card
+    assert "distilled data reused from the work folder" in card  # the resumed run distilled nothing
     if kind == "imitation":
         assert "untrained early exit" in card
     else:
