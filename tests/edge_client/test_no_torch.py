@@ -10,7 +10,7 @@ import edge_client
 import sled
 
 ROOTS = [Path(edge_client.__file__).parent, Path(sled.__file__).parent]
-FORBIDDEN = {"torch", "transformers", "verify_server", "kernels", "bench"}
+FORBIDDEN = {"torch", "transformers", "verify_server", "kernels", "bench", "sled_train"}
 
 
 def _sources():

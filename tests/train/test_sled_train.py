@@ -196,3 +196,20 @@ def test_a_parallel_head_starts_from_an_imitation_checkpoint_of_the_same_shape(t
     with pytest.raises(ValueError, match="--head-layers 2"):
         start_from(ParallelHead(tiny.model, 1, 2, slots=4, blank=False, seed=0), ckpt,
                    parse(argv(tmp_path, "parallel", "--head-layers", "2")))
+
+
+def test_a_backbone_must_share_the_targets_tokenizer(tiny, tmp_path, monkeypatch):
+    report = train(parse(argv(tmp_path, "imitation", "--backbone", "random:llama-tiny")), tiny)
+    assert report["held_out"]["anchors"] > 0
+    import verify_server.model_loader as loader
+
+    real = loader.load_target
+
+    def other_vocab(path, *a, **k):
+        made = real(path, *a, **k)
+        made.fingerprint = "sha256:another"
+        return made
+
+    monkeypatch.setattr(loader, "load_target", other_vocab)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        train(parse(argv(tmp_path / "b", "imitation", "--backbone", "random:llama-tiny")), tiny)
