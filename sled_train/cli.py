@@ -5,9 +5,10 @@
     sled-train parallel --heads 4 --loss ctc --output drafts/ctc.onnx
 
 The data is self-distillation: the target's own greedy answers to prompts of corpora that install with the project
-(HumanEval's stubs, the Python reference's passages); a hashed share of the prompts is held out and never trained
-on. Work (the distilled data, shared by drafters trained into one folder, and checkpoints) goes to sled-train.work
-beside the output; --resume goes on from the last checkpoint. Beside the model: its .json (what the device reads) and a model card (.md).
+(HumanEval's stubs, the Python reference's passages) and chat requests built on the target's vocabulary; a hashed
+share of the prompts is held out and never trained on. Work (the distilled data, shared by drafters trained into one
+folder, and checkpoints) goes to sled-train.work beside the output; --resume goes on from the last checkpoint.
+Beside the model: its .json (what the device reads) and a model card (.md).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"backbone layers the drafter runs (default {DEFAULTS['layers']})")
     common.add_argument("--head-layers", type=positive(int), default=DEFAULTS["head_layers"], metavar="N",
                         help=f"trained blocks on the backbone (default {DEFAULTS['head_layers']})")
-    common.add_argument("--corpus", default="humaneval,pydoc", help="comma-separated prompt corpora: humaneval, "
-                        "pydoc (default both)")
+    common.add_argument("--corpus", default="humaneval,pydoc,chat", help="comma-separated prompt corpora: "
+                        "humaneval (HumanEval's stubs), pydoc (the Python reference), chat (requests to explain, list, "
+                        "tell or write code about common words of the target's vocabulary); default all three")
     common.add_argument("--prompts", type=positive(int), default=DEFAULTS["prompts"],
                         help=f"training prompts (default {DEFAULTS['prompts']})")
     common.add_argument("--eval-prompts", type=positive(int), default=DEFAULTS["eval_prompts"],

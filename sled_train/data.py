@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-CORPORA = ("humaneval", "pydoc")
+CORPORA = ("humaneval", "pydoc", "chat")
 TOP_K = 64  # the target's distribution kept per position: its top tokens, renormalised
 
 
@@ -44,11 +44,29 @@ def pydoc_prompts(chunk: int = 700) -> list[str]:
     return out
 
 
-def corpus(names: list[str]) -> list[str]:
+CHAT_ASKS = ("Explain {} in simple words.", "Write a short story about {}.", "List five facts about {}.",
+             "Give me three tips about {}.", "Describe {} to a child.", "Write a short poem about {}.",
+             "What are the pros and cons of {}?", "Write a JSON object that describes {} with three fields.",
+             "Write an HTML list of three things related to {}.",
+             "Write a Python function about {} and explain what it does.")
+CHAT_COUNT = 320
+
+
+def chat_prompts(vocab_tokens: list[str], count: int = CHAT_COUNT) -> list[str]:
+    """Chat requests of the kinds devices send (explain, list, tell, write code or markup), each about a common word
+    of the target's own vocabulary (whole-word tokens of 6 letters or more among its first 8,000): no download, and
+    the words follow the target's tokenizer."""
+    words = [t[1:] for t in vocab_tokens[:8000] if t.startswith("Ġ") and t[1:].isalpha() and t[1:].islower()
+             and len(t) > 6]
+    return [CHAT_ASKS[i % len(CHAT_ASKS)].format(words[(i * 7919) % len(words)]) for i in range(min(count, len(words)))]
+
+
+def corpus(names: list[str], vocab_tokens: list[str] = ()) -> list[str]:
+    """The prompts of the named corpora (chat's words come from `vocab_tokens`, the target's vocabulary)."""
     unknown = [n for n in names if n not in CORPORA]
     if unknown:
         raise ValueError(f"unknown corpus {unknown[0]!r}; choose from {', '.join(CORPORA)}")
-    loaders = {"humaneval": humaneval_prompts, "pydoc": pydoc_prompts}
+    loaders = {"humaneval": humaneval_prompts, "pydoc": pydoc_prompts, "chat": lambda: chat_prompts(vocab_tokens)}
     return [p for n in names for p in loaders[n]()]
 
 

@@ -121,7 +121,7 @@ def dataset(args, target, backbone, work: Path):
     fields = {"target": target.name, "fingerprint": target.fingerprint, "backbone": backbone.name,
               "layers": args.layers, "corpus": args.corpus, "prompts": args.prompts, "eval": args.eval_prompts,
               "heldout": args.heldout_fraction, "max_new": args.max_new_tokens, "seed": args.seed,
-              "version": 1}
+              "version": 2}
     key = key_of(fields)
     path = work / f"data-{key}.pt"
     if path.is_file():
@@ -132,13 +132,6 @@ def dataset(args, target, backbone, work: Path):
                 return saved["train"], saved["eval"], saved["stats"] | {"reused": True}
         except Exception as err:  # a torn or foreign file: made again, never trusted
             log(f"[train] {path} is unreadable ({type(err).__name__}); distilling again")
-    prompts = D.corpus([c for c in args.corpus.split(",") if c])
-    train_p, eval_p = D.split(prompts, args.heldout_fraction, args.prompts, args.eval_prompts, args.seed)
-    if len(train_p) < args.prompts or len(eval_p) < args.eval_prompts:
-        log(f"[train] the corpus gives {len(train_p)} training and {len(eval_p)} held-out prompts")
-    if not train_p or not eval_p:
-        raise ValueError("the corpus leaves no training or no held-out prompts; change --corpus or "
-                         "--heldout-fraction")
     tok = target.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError("the target's tokenizer has no chat template to put the prompts in")
@@ -149,6 +142,14 @@ def dataset(args, target, backbone, work: Path):
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     start = time.time()
+
+    prompts = D.corpus([c for c in args.corpus.split(",") if c], target.vocab_tokens)
+    train_p, eval_p = D.split(prompts, args.heldout_fraction, args.prompts, args.eval_prompts, args.seed)
+    if len(train_p) < args.prompts or len(eval_p) < args.eval_prompts:
+        log(f"[train] the corpus gives {len(train_p)} training and {len(eval_p)} held-out prompts")
+    if not train_p or not eval_p:
+        raise ValueError("the corpus leaves no training or no held-out prompts; change --corpus or "
+                         "--heldout-fraction")
     seqs = {}
     for name, ps in (("train", train_p), ("eval", eval_p)):
         with tqdm(total=len(ps), desc=f"distilling ({name})", unit="prompt") as bar:

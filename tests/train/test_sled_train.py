@@ -90,9 +90,19 @@ def test_acceptance_counts_the_run_a_greedy_verifier_keeps():
                                   "acceptance_by_position": [2 / 3, 1 / 3, 1 / 3]}
 
 
-def test_held_out_prompts_never_reach_training_whatever_the_counts():
-    prompts = D.corpus(["humaneval", "pydoc"])
-    assert len(prompts) > 300
+def test_chat_prompts_are_built_from_the_vocabulary_and_are_none_of_the_benchmarks(tiny):
+    from bench.drafters import EDIT, FREE, REPETITIVE
+
+    chat = D.chat_prompts(tiny.vocab_tokens)
+    assert len(chat) == D.CHAT_COUNT == len(set(chat)) and chat == D.chat_prompts(tiny.vocab_tokens)
+    assert not set(chat) & set(EDIT + FREE + REPETITIVE)
+    with pytest.raises(ValueError, match="unknown corpus 'wiki'"):
+        D.corpus(["humaneval", "wiki"])
+
+
+def test_held_out_prompts_never_reach_training_whatever_the_counts(tiny):
+    prompts = D.corpus(["humaneval", "pydoc", "chat"], tiny.vocab_tokens)
+    assert len(prompts) > 600
     for n, seed in ((20, 0), (200, 3)):
         train_p, eval_p = D.split(prompts, 0.1, n, 10, seed)
         assert len(train_p) == n and len(eval_p) == 10
