@@ -184,8 +184,7 @@ def anchors_of(f: D.Features, k: int) -> torch.Tensor:
     return torch.arange(f.prompt_len - 1, end + 1)
 
 
-def step_loss(args, head, feats: list[D.Features], step: int, device) -> torch.Tensor:
-    rows = [f for f in feats]
+def step_loss(args, head, rows: list[D.Features], step: int, device) -> torch.Tensor:
     hidden = pad([f.hidden[:MAX_LEN] for f in rows]).to(device)
     if args.kind == "imitation":
         lengths = torch.tensor([min(len(f.ids), MAX_LEN) for f in rows])
