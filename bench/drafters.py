@@ -11,6 +11,7 @@ the run of median speed is shown. Writes its section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -207,8 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=positive(int), default=4,
                    help="K, or with --adaptive the most K a round drafts (default 4)")
     p.add_argument("--adaptive", action="store_true",
-                   help="draft under the device's adaptive controller (K chosen each round, at most --draft-tokens) "
-                        "instead of a fixed K; writes its own section")
+                   help="draft under the device's adaptive controller (K chosen each round, at most --draft-tokens), "
+                        "beside --fixed-k's fixed K in the same run; writes its own section")
+    p.add_argument("--fixed-k", type=k_list, metavar="K,...",
+                   help="with --adaptive: the fixed K run beside it (default: 2, 4 and so on doubling up to "
+                        "--draft-tokens, and --draft-tokens)")
+    p.add_argument("--models-only", action="store_true",
+                   help="only the drafters with a model (llama.cpp, ONNX, stacked on either): no n-gram drafter alone")
+    p.add_argument("--no-stacked", dest="stacked", action="store_false", help="leave the stacked drafters out")
     p.add_argument("--server-threads", type=positive(int), default=server_threads(os.cpu_count()), metavar="N",
                    help="the verify server's torch threads (default: the host's cores but one, the device's "
                         "drafting thread's)")
@@ -235,6 +242,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 at_least_one = at_least(1.0)  # --device-pace: 1 is a device as fast as this host
+
+
+def k_list(text: str) -> list[int]:
+    """--fixed-k: comma-separated positive Ks."""
+    try:
+        ks = sorted({int(k) for k in text.split(",") if k.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of K: {text!r}") from None
+    if not ks or ks[0] < 1:
+        raise argparse.ArgumentTypeError(f"each K must be at least 1: {text!r}")
+    return ks
+
+
+def fixed_ks(k_max: int, given: list[int] | None) -> list[int]:
+    """The fixed K an adaptive run is measured beside: those given, else 2, 4, ... up to k_max, and k_max."""
+    if given:
+        return given
+    ks, k = [], 2
+    while k < k_max:
+        ks.append(k)
+        k *= 2
+    return ks + [k_max]
+
+
+def adaptive_goals(rows: list[dict]) -> str:
+    """Each drafter's adaptive K against its best fixed K of the run, text set by text set (goal 0.98x)."""
+    out = []
+    for name in dict.fromkeys(r["drafter"] for r in rows):
+        parts = []
+        for text in ("repetitive", "edit", "free"):
+            mine = [r for r in rows if r["drafter"] == name and r["text"] == text]
+            adaptive = [r for r in mine if r["k"] == "adaptive"]
+            fixed = [r for r in mine if r["k"] != "adaptive"]
+            if adaptive and fixed:
+                best = max(fixed, key=lambda r: r["tokens_per_s"])
+                parts.append(f"{text} {adaptive[0]['tokens_per_s'] / best['tokens_per_s']:.2f}x (K = {best['k']})")
+        if parts:
+            out.append(f"- {name}, adaptive K / the best fixed K, device tok/s: {', '.join(parts)} (goal at least "
+                       "0.98x for a drafter with a model)")
+    return "\n".join(out)
 
 
 def marker(pace: float, adaptive: bool = False, trained: bool = False) -> str:
@@ -353,7 +400,15 @@ def main(args) -> int:
     except RuntimeError as err:  # a tool refused (an unknown --requantized type) or failed
         print(f"sled-bench drafters: {err}", file=sys.stderr)
         return 2
+    if args.models_only:
+        compared = {name: m for name, m in compared.items() if m[0] not in ("ngram", "cacheback")}
+    if not args.stacked:
+        compared = {name: m for name, m in compared.items() if name not in stacked_on}
+        stacked_on = {}
     k = args.draft_tokens
+    # (the K column's label, K, adaptive): an adaptive run is measured beside fixed K in the same run
+    modes = ([("adaptive", k, True)] + [(str(f), f, False) for f in fixed_ks(k, args.fixed_k)] if args.adaptive
+             else [(str(k), k, False)])
     costs = {}
     for model in dict.fromkeys(stacked_on.values()):
         costs[model] = check_cost(*compared[model], k)
@@ -362,36 +417,38 @@ def main(args) -> int:
     try:
         # a server caps K at its max_draft_tokens (16 by default) without a word: it must allow the K reported
         with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024", "--threads", str(args.server_threads),
-                           "--max-draft-tokens", str(max(16, args.draft_tokens))) as address:
+                           "--max-draft-tokens", str(max(16, *(m[1] for m in modes)))) as address:
             tokenizer = Tokenizer()
             for repeat in range(args.repeats):  # every drafter once a repeat, so a slow spell of the host hits all
-                for name, (kind, opts) in compared.items():
-                    for label, prompts in (("repetitive", REPETITIVE), ("edit", EDIT), ("free", FREE)):
-                        print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text ...", end=" ",
-                              flush=True)
-                        d = create_drafter(kind, opts)
-                        paced = d if args.device_pace == 1.0 else Paced(d, args.device_pace)
-                        try:
-                            row = run_set(address, tokenizer, paced, prompts, args.max_tokens, args.draft_tokens,
-                                          args.adaptive)
-                        finally:
-                            d.close()
-                        runs.setdefault((name, label), []).append(row)
-                        print(f"acceptance {row['acceptance_rate']:.2f}, {row['tokens_per_s']:.1f} tok/s", flush=True)
+                for (name, (kind, opts)), (label, prompts), (mode, mode_k, adaptive) in itertools.product(
+                        compared.items(), (("repetitive", REPETITIVE), ("edit", EDIT), ("free", FREE)), modes):
+                    print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text"
+                          + (f", K {mode}" if args.adaptive else "") + " ...", end=" ", flush=True)
+                    d = create_drafter(kind, opts)
+                    paced = d if args.device_pace == 1.0 else Paced(d, args.device_pace)
+                    try:
+                        row = run_set(address, tokenizer, paced, prompts, args.max_tokens, mode_k, adaptive)
+                    finally:
+                        d.close()
+                    runs.setdefault((name, label, mode), []).append(row)
+                    print(f"acceptance {row['acceptance_rate']:.2f}, {row['tokens_per_s']:.1f} tok/s", flush=True)
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1
-    rows = [median_run(name, label, done) for (name, label), done in runs.items()]
-    lines = ["| drafter | text | copied | acceptance | mean accept. length | drafted / round | device tok/s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    rows = [median_run(name, label, done) | {"k": mode} for (name, label, mode), done in runs.items()]
+    main_rows = [r for r in rows if r["k"] == modes[0][0]]  # the adaptive K's, or the one fixed K's
+    lines = ["| drafter | text |" + (" K |" if args.adaptive else "")
+             + " copied | acceptance | mean accept. length | drafted / round | device tok/s |",
+             "|---|---|" + ("---|" if args.adaptive else "") + "---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['drafter']} | {r['text']} | {r['copied']:.2f} | {r['acceptance_rate']:.2f} "
+        lines.append(f"| {r['drafter']} | {r['text']} |" + (f" {r['k']} |" if args.adaptive else "")
+                     + f" {r['copied']:.2f} | {r['acceptance_rate']:.2f} "
                      f"| {r['mean_acceptance_length']:.2f} | {r['draft_tokens_per_round']:.2f} "
                      f"| {r['tokens_per_s']:.1f} |")
     checked = [f"- {r['drafter']}, {r['text']}: {r['checks']} checks of {r['guessed']} guesses kept {r['kept']}"
-               for r in rows if "checks" in r]
+               for r in main_rows if "checks" in r]
     answers = {}  # each set's answers, the same for every drafter (greedy): its first row's
-    for r in rows:
+    for r in main_rows:
         answers.setdefault(r["text"], r)
     walks = [f"- {text}: prompt lookup asked again after each missed guess, at most {k - 1} a check, would keep "
              f"{r['walk_kept']} of the answers' {r['tokens']} tokens in {r['walk_checks']} checks (a stack's best)"
@@ -402,7 +459,8 @@ def main(args) -> int:
         f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
         for model, cost in costs.items()
     ]
-    goals = trained_goals(rows) if args.trained else stack_goals(rows, stacked_on)
+    goals = trained_goals(main_rows) if args.trained else stack_goals(main_rows, stacked_on)
+    goals = "\n".join(g for g in (adaptive_goals(rows) if args.adaptive else "", goals) if g)
     table = "\n".join(lines) + "\n\n" + "\n".join([goals, *notes, *checked, *walks, *ceilings])
     print("\n" + table)
     section = (
@@ -410,7 +468,8 @@ def main(args) -> int:
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
         f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
-        + (f"K chosen each round by the device's adaptive controller, at most {args.draft_tokens}"
+        + (f"K chosen each round by the device's adaptive controller, at most {args.draft_tokens}, beside fixed K = "
+           + ", ".join(m[0] for m in modes[1:]) + " in the same run (every mode once a repeat, interleaved)"
            if args.adaptive else f"K = {args.draft_tokens}")
         + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "

@@ -10,7 +10,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from edge_client.adaptive import AdaptiveDraftLength
 from edge_client.generation import generate
+from edge_client.policy import DraftPolicy
 from edge_client.request import Callbacks, Request
 from edge_client.resilience import Resilience
 from edge_client.transport import VerifierClient
@@ -106,10 +108,17 @@ class Runner:
         start = time.perf_counter()
         if together:
             results = list(await asyncio.gather(*[self.generate(job) for job in jobs]))
-        else:
-            results = [await self.generate(job) for job in jobs]
+        else:  # one device, which keeps its adaptive controller across its requests
+            kept = device_controller(jobs[0].request.policy) if jobs else None
+            results = [await self.generate(job, kept) for job in jobs]
         wall = time.perf_counter() - start
         return Run(results, wall, before, await self.stats())
+
+
+def device_controller(policy: DraftPolicy) -> AdaptiveDraftLength | None:
+    """The adaptive controller a device keeps across its requests (as the agent does), None for a fixed K."""
+    controller = policy.controller()
+    return controller if isinstance(controller, AdaptiveDraftLength) else None
 
 
 def run(address: str, tokenizer, jobs: list[Job], together: bool = True) -> Run:

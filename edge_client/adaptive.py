@@ -36,6 +36,9 @@ class RoundSample:
     # whether the draft went out at once when the verdict before it came, nothing left to draft or wait for (a late
     # one, sent after finishing a token and drafting the rest of K, queues because it is late: server_queues)
     prompt: bool = True
+    # the device's own time from the verdict before to this draft going out, less the drafting it waited for: what a
+    # round costs the device whatever it drafts (None: a session's first round, or not measured)
+    device_s: float | None = None
 
 
 # Confidence bins, by their upper edges: [0, 0.1), [0.1, 0.2), ... [0.9, 0.95), [0.95, 1].
@@ -75,6 +78,51 @@ class DraftStop:
         return not self.ended and self.reach * self.alpha >= self.threshold
 
 
+@dataclass(frozen=True)
+class RoundCost:
+    """The controller's model of a round, from its recent rounds: what a draft of k tokens commits on average and how
+    long its round takes, and whether a verdict is answered at once with the tokens ready or after drafting to K."""
+
+    alpha: float  # per-token acceptance
+    t_draft: float  # the drafter's time per token
+    c: float  # what one more token of K adds to the round trip
+    fixed: float  # the round trip without its tokens: the server's step and batching window, the link
+    device: float  # the device's own time a round, drafting aside (its loop, the wire, the drafter's rollback)
+    hidden: float  # the drafting after a verdict that waiting at the server hides anyway
+    late: float  # what a draft that misses the batching window its verdict's step opened waits for the next step
+    ahead: bool
+    k_max: int
+
+    def tokens(self, k: int) -> float:
+        """Committed by a round that drafts k."""
+        return (1 - self.alpha ** (k + 1)) / (1 - self.alpha)
+
+    def seconds(self, k: int) -> float:
+        """That round's time."""
+        rtt = self.fixed + self.c * (k + 1)
+        if not self.ahead:
+            return self.device + max(0.0, k * self.t_draft - self.hidden) + rtt
+        hit = self.alpha ** (k + 1)
+        if rtt < (self.k_max + 1) * self.t_draft:  # still drafting ahead when the verdict comes
+            rtt += self.t_draft / 2
+        return (self.device + rtt + hit * max(0.0, (k + 1) * self.t_draft - rtt - self.hidden)
+                + (1 - hit) * max(0.0, k * self.t_draft - self.hidden))
+
+    def answer_now(self, k: int, ready: int, busy: bool) -> bool:
+        """Whether a verdict answered at once with the `ready` tokens drafted (0: the server's token alone) commits
+        more a second than a draft of k drafted to the end first, which also misses the batching window the verdict's
+        step opened: each round costs the device and the server their fixed time, whatever it carries. A token the
+        drafter is `busy` on counts as half drafted either way: finishing it is half a token's drafting, and answered
+        at once it is half of the next draft's."""
+        if ready >= k:
+            return True
+        part = 0.5 if busy else 0.0
+        now = self.tokens(ready + part) / (self.device + self.fixed + self.c * (ready + 1))
+        finished = self.tokens(k) / (self.device + self.fixed + self.c * (k + 1) + self.late
+                                     + max(0.0, (k - ready - part) * self.t_draft - self.hidden))
+        return now >= finished
+
+
 class AdaptiveDraftLength:
     # The confidence counts fade by this much a round (about 200 rounds of memory); a bin is used once the tokens
     # seen in all bins together reach CALIBRATION_MIN, each bin pulled toward its own confidence by PRIOR_WEIGHT.
@@ -87,7 +135,6 @@ class AdaptiveDraftLength:
     QUEUED_MIN = 4
     QUEUED_WINDOW = 8
     HIDE_QUEUE = True  # the model counts the queue wait as hiding the drafting done after a verdict
-    answers_hits_at_once = True  # a hit gets what was drafted ahead, K at most (edge_client.policy.DraftLength)
 
     WINDOW = 16  # the recent rounds K is chosen from
 
@@ -107,6 +154,7 @@ class AdaptiveDraftLength:
         self.keep = 0.0  # the same for a token already drafted: its share of the step alone
         self.alpha = 1.0  # the acceptance the thresholds were set at
         self.server_max: int | None = None  # the bound on K the last server opened with: a bound is news once
+        self.cost: RoundCost | None = None  # the last choice's model of a round, None until two rounds are seen
 
     @classmethod
     def for_device(cls, max_draft_tokens: int, ahead: bool, confidence_stop: bool = False) -> AdaptiveDraftLength:
@@ -126,6 +174,7 @@ class AdaptiveDraftLength:
         self.k = min(max(self.k, self.k_min), k_max)
         if self.last_observed is not None and self.clock() - self.last_observed > self.max_age_s:
             self.samples.clear()
+            self.cost = None
 
     def cap(self, server_max: int) -> bool:
         news = server_max < self.k_max and server_max != self.server_max
@@ -141,6 +190,11 @@ class AdaptiveDraftLength:
 
     def empty_after_miss(self, threshold: float) -> bool:
         return self.acceptance() >= threshold
+
+    def answers_at_once(self, k: int, ready: int, busy: bool) -> bool:
+        """Whether a verdict goes out at once with the `ready` tokens drafted rather than after drafting to k
+        (RoundCost.answer_now); at once until two rounds are seen."""
+        return self.cost is None or self.cost.answer_now(k, ready, busy)
 
     def observe(self, sample: RoundSample) -> None:
         if sample.drafted > 0:
@@ -207,20 +261,13 @@ class AdaptiveDraftLength:
         # The device's drafting after a verdict delays its next draft, but where drafts wait at the server through
         # an earlier step anyway, only by what outlasts that wait: the round trip measured includes the wait.
         hidden = sum(s.queue_s for s in self.samples) / len(self.samples) if self.HIDE_QUEUE else 0.0
-
-        def tokens(k: int) -> float:  # committed by a round that drafts k
-            return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-        def seconds(k: int) -> float:  # that round's time
-            rtt = fixed + c * (k + 1)
-            if not self.ahead:
-                return max(0.0, k * t_draft - hidden) + rtt
-            hit = alpha ** (k + 1)
-            if rtt < (self.k_max + 1) * t_draft:  # still drafting ahead when the verdict comes
-                rtt += t_draft / 2
-            return (rtt + hit * max(0.0, (k + 1) * t_draft - rtt - hidden)
-                    + (1 - hit) * max(0.0, k * t_draft - hidden))
-
+        devices = [s.device_s for s in self.samples if s.device_s is not None]
+        stepped = [s.step_s for s in self.samples if s.step_s > 0]
+        # A draft that misses the batching window its verdict's step opens waits for the step the others are in.
+        late = (sum(stepped) / len(stepped)) * (1.0 - 1.0 / sessions) if stepped else 0.0
+        self.cost = cost = RoundCost(alpha, t_draft, c, fixed, sum(devices) / len(devices) if devices else 0.0,
+                                     hidden, late, self.ahead, self.k_max)
+        tokens, seconds = cost.tokens, cost.seconds
         k = max(range(self.k_min, self.k_max + 1), key=lambda k: tokens(k) / seconds(k))
         # The stop rule's thresholds: what one more token adds to the round's time (its share of the step, and its
         # drafting where it is not drafted yet) over what one committed token costs at this K. A drafted token goes

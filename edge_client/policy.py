@@ -20,8 +20,6 @@ class DraftLength(Protocol):
 
     k: int  # this round's draft length
     k_max: int  # the longest draft; drafting ahead stops one past it
-    # whether a hit is answered with what was drafted ahead (K at most) rather than a draft of K finished first
-    answers_hits_at_once: bool
 
     def cap(self, server_max: int) -> bool:
         """No draft longer than the server takes; whether that cuts the drafts and this controller had not heard it
@@ -39,6 +37,10 @@ class DraftLength(Protocol):
     def empty_after_miss(self, threshold: float) -> bool:
         """Whether a miss answered at once gets an empty draft (the server's token alone)."""
 
+    def answers_at_once(self, k: int, ready: int, busy: bool) -> bool:
+        """Whether a verdict is answered at once with the `ready` tokens drafted (a hit's drafted ahead, K at most;
+        none after a miss) rather than after drafting a draft of k; `busy`: the drafter is on a token meanwhile."""
+
     def server_queues(self) -> bool:
         """Whether the server queues this device's drafts (then finishing a draft first costs no time)."""
 
@@ -46,7 +48,6 @@ class DraftLength(Protocol):
 class FixedDraftLength:
     """K tokens every round: learns nothing, stops no draft early, finishes each draft to K."""
 
-    answers_hits_at_once = False
 
     def __init__(self, k: int):
         self.k = self.k_max = k
@@ -66,6 +67,9 @@ class FixedDraftLength:
         return None
 
     def empty_after_miss(self, threshold: float) -> bool:
+        return False
+
+    def answers_at_once(self, k: int, ready: int, busy: bool) -> bool:
         return False
 
     def server_queues(self) -> bool:

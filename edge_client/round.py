@@ -52,13 +52,15 @@ class RoundRules:
         """The length of a draft that answers the last verdict at once, or None: the drafter finishes its token and
         drafts the rest of K first. A hit (the whole draft accepted with the drafter's guessed bonus) goes out with
         the `ahead` tokens drafted past that bonus, K at most; a miss that came while the drafter was `busy` on a
-        token goes out empty (the server's token alone) where the controller's acceptance is high enough."""
+        token goes out empty (the server's token alone) where the controller's acceptance is high enough. Either
+        only where the controller finds that answering at once pays for the round it adds."""
         if not self.at_once:
             return None
-        if hit and ahead > 0 and self.controller.answers_hits_at_once and self.policy.ahead:
+        if hit and ahead > 0 and self.policy.ahead and self.controller.answers_at_once(k, ahead, busy):
             return min(k, ahead)
         threshold = self.policy.empty_after_miss
-        if busy and not hit and threshold is not None and self.controller.empty_after_miss(threshold):
+        if (busy and not hit and threshold is not None and self.controller.empty_after_miss(threshold)
+                and self.controller.answers_at_once(k, 0, busy)):
             return 0
         return None
 
@@ -114,6 +116,7 @@ class Round:
         self._waited = False
         self._prompt = False
         self._drafting = [0.0, 0]  # this round's drafter time and tokens, drafting ahead included
+        self._blocked = 0.0  # this round's drafting before its draft went out
 
     @property
     def room(self) -> int:
@@ -158,7 +161,7 @@ class Round:
         raised, with nothing drafted ahead kept."""
         clock, r = self.hooks.clock, self.result
         t_round = clock()
-        self._drafting = [0.0, 0]
+        self._drafting, self._blocked = [0.0, 0], 0.0
         proposal, spare = await self._draft(self.rules.draft_length(self.room))
         prompt = self._prompt  # whether it goes out at once when its verdict came (RoundSample.prompt)
         self.hooks.sending(prompt)
@@ -172,6 +175,9 @@ class Round:
         verify = asyncio.ensure_future(verdict())
         reply = ((float("nan"), float("nan")) if self._answering is None
                  else ((t_sent - self._answering[0]) * 1000.0, self._answering[1]))
+        # what the device spent between the verdict and this draft on neither drafting nor the drafter's token
+        device_s = (None if self._answering is None
+                    else max(0.0, t_sent - self._answering[0] - self._answering[1] / 1000.0 - self._blocked))
         self._live = None
         drafting = asyncio.ensure_future(self._draft_while(verify, proposal, spare))
         try:
@@ -200,7 +206,7 @@ class Round:
             len(proposal.token_ids), verdict.n_accepted, t_sent - t_round, verdict_at - t_sent,
             verdict.token_ms / 1000.0, spent / tokens if tokens else None, verdict.step_sessions,
             None if proposal.confidence is None else tuple(proposal.confidence), verdict.step_ms / 1000.0,
-            verdict.queue_ms / 1000.0, prompt))
+            verdict.queue_ms / 1000.0, prompt, device_s))
         r.rounds += 1
         r.draft_tokens += len(proposal.token_ids)
         r.accepted_tokens += verdict.n_accepted
@@ -235,7 +241,9 @@ class Round:
         """The drafter's next k tokens, timed into this round's drafting."""
         t0 = self.hooks.clock()
         proposal = await asyncio.to_thread(self.drafter.propose, context, k, stop)
-        self._drafting[0] += self.hooks.clock() - t0
+        spent = self.hooks.clock() - t0
+        self._drafting[0] += spent
+        self._blocked += spent
         self._drafting[1] += len(proposal.token_ids)
         return proposal
 

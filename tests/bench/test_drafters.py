@@ -1,5 +1,7 @@
 """sled-bench drafters: the stacked drafters' ratios to the model alone, text set by text set."""
 
+import pytest
+
 from bench.drafters import (copied_tokens, guess_walk, marker, median_run, stack_ceiling, stack_goals, trained_goals,
                             trained_name)
 
@@ -78,8 +80,6 @@ def test_a_paced_drafter_pads_each_device_call_to_its_factor_and_drafts_the_same
 def test_the_device_pace_is_checked_and_names_its_own_section():
     import argparse
 
-    import pytest
-
     from bench.drafters import MARKER, at_least_one, marker
 
     assert at_least_one("2.5") == 2.5 and marker(1.0) == MARKER
@@ -100,6 +100,22 @@ def test_an_adaptive_run_names_its_own_section_and_drafts_under_the_devices_cont
     assert (type(adaptive).__name__, adaptive.k_max) == ("AdaptiveDraftLength", 8)
     args = build_parser().parse_args(["--adaptive", "--draft-tokens", "8", "--server-threads", "3"])
     assert (args.adaptive, args.draft_tokens, args.server_threads) == (True, 8, 3)
+
+
+def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
+    from bench.drafters import adaptive_goals, build_parser, fixed_ks
+
+    assert fixed_ks(8, None) == [2, 4, 8] and fixed_ks(4, None) == [2, 4] and fixed_ks(3, None) == [2, 3]
+    assert fixed_ks(8, [3, 5]) == [3, 5]
+    assert build_parser().parse_args(["--adaptive", "--fixed-k", "4,2,4"]).fixed_k == [2, 4]
+    for bad in ("0,2", "two", ","):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--adaptive", "--fixed-k", bad])
+    rows = [{"drafter": "d", "text": "edit", "k": k, "tokens_per_s": v}
+            for k, v in (("adaptive", 49.0), ("2", 40.0), ("4", 50.0), ("8", 45.0))]
+    rows += [{"drafter": "d", "text": "free", "k": k, "tokens_per_s": v} for k, v in (("adaptive", 30.0), ("2", 20.0))]
+    assert adaptive_goals(rows) == ("- d, adaptive K / the best fixed K, device tok/s: edit 0.98x (K = 4), free 1.50x "
+                                    "(K = 2) (goal at least 0.98x for a drafter with a model)")
 
 
 def test_the_server_leaves_the_devices_drafting_thread_a_core_of_its_own():

@@ -26,7 +26,7 @@ from edge_client.drafters.kv_drafter import KVDrafter
 from edge_client.drafters.stacked import GuessGate, StackedDrafter
 from edge_client.generation import generate
 from edge_client.request import Callbacks, Request
-from edge_client.policy import DraftPolicy
+from edge_client.policy import DraftPolicy, FixedDraftLength
 from edge_client.round import RoundHooks
 from edge_client.sampling import SamplingParams
 from tests.edge_client.test_stacked import Guesser
@@ -497,7 +497,7 @@ def test_a_carried_spare_keeps_each_tokens_q():
     assert sum(r.ahead_tokens for r in results) > 100  # drafts went out from carries
 
 
-def test_each_round_times_the_reply_to_the_verdict_before_it(mid_token):
+def test_each_round_times_the_reply_to_the_verdict_before_it(mid_token, monkeypatch):
     """round_replies: per verified round, the ms from the previous verdict's arrival to this draft going out, and the
     part of it spent finishing the token being drafted ahead when that verdict came (nan for a session's first
     round). A drafter taking 20 ms a token, each verdict held until it is on its first token drafted ahead and that
@@ -511,18 +511,27 @@ def test_each_round_times_the_reply_to_the_verdict_before_it(mid_token):
     async def main(ahead):
         client, drafter = mid_token(Linked(0, 0.0, max_tokens=16, target=P_GREEDY, queue_ms=6.0), Slow(Q_GREEDY),
                                     held=lambda round_: 1)
-        return await generate(
+        samples = []
+        monkeypatch.setattr(FixedDraftLength, "observe", lambda self, sample: samples.append(sample))
+        result = await generate(
             client,
             drafter,
             TOKENIZER,
             Request(PROMPT, max_tokens=16, policy=DraftPolicy(draft_tokens=2, adaptive=False, draft_ahead=ahead)),
             callbacks=Callbacks(hooks=client.link),
         )
+        return result, samples
 
     for ahead in (True, False):
-        result = asyncio.run(main(ahead))
+        result, samples = asyncio.run(main(ahead))
         replies = result.round_replies
         assert len(replies) == result.rounds >= 4
+        # the device's own share of each reply (RoundSample.device_s): neither the finishing nor the drafting in it
+        assert samples[0].device_s is None and len(samples) == result.rounds
+        own, timed = np.array([s.device_s for s in samples[1:]]) * 1000.0, np.array(replies[1:])
+        assert (own >= 0).all() and (own <= timed[:, 0] - timed[:, 1] + 1e-6).all()
+        if not ahead:  # the next draft's tokens, 20 ms each (one at the request's end), are drafting
+            assert (own < timed[:, 0] - 15.0).all()
         assert result.round_queue_ms == [6.0] * result.rounds  # each verdict's queue_ms, as the server sent it
         assert np.isnan(replies[0][0]) and np.isnan(replies[0][1])
         timed = np.array(replies[1:])

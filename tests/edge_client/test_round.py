@@ -17,12 +17,15 @@ from edge_client.sampling import SamplingParams
 from tests.edge_client.test_draft_ahead import EOS, PROMPT, TableDrafter, cycle, greedy_chain
 
 
-def adaptive(acceptance_rounds=0, queued=False) -> AdaptiveDraftLength:
+def adaptive(acceptance_rounds=0, queued=False, draft_token_s=0.02, device_s=0.0, sessions=1,
+             step_s=0.01) -> AdaptiveDraftLength:
     """An adaptive controller that has seen `acceptance_rounds` rounds of 4 tokens all accepted (acceptance near 1),
-    each queued at the server when `queued` and sent at once."""
+    each queued at the server when `queued` and sent at once: a round trip of 15 ms and 1 ms a token of the step
+    (each session's), drafting at `draft_token_s` a token, the device's own time `device_s` a round."""
     ctrl = AdaptiveDraftLength(k_max=8, k_initial=4, ahead=True)
     for _ in range(acceptance_rounds):
-        ctrl.observe(RoundSample(4, 4, 0.01, 0.02, 0.001, 0.005, 1, step_s=0.01, queue_s=0.005 if queued else 0.0))
+        ctrl.observe(RoundSample(4, 4, 0.01, 0.015 + sessions * 0.001 * 5, 0.001, draft_token_s, sessions,
+                                 step_s=step_s, queue_s=0.005 if queued else 0.0, device_s=device_s))
     return ctrl
 
 
@@ -45,6 +48,26 @@ def test_a_miss_goes_out_empty_only_while_the_drafter_is_busy_and_the_acceptance
     never = RoundRules(DraftPolicy(empty_after_miss=None), adaptive(acceptance_rounds=8))
     never.verdict_came()
     assert never.answer(4, hit=False, ahead=0, busy=True) is None
+
+
+def test_a_verdict_waits_for_the_rest_of_k_where_a_round_costs_more_than_answering_at_once_gains():
+    """Drafting at 5 ms a token, with the device's own 10 ms and the server's 15 ms in every round: a hit answered
+    at once with one token drafted ahead commits about 2 tokens in a round of 27 ms, where drafting the other 3 of
+    K = 4 first commits about 4.85 in 45 ms; a miss answered with an empty draft commits 1 in 26 ms. So both wait for
+    the rest of K. Beside 7 more sessions in 50 ms steps, a draft finished first misses the batching window its
+    verdict's step opens and waits most of a step for the next: then answering at once pays again."""
+    alone = RoundRules(DraftPolicy(), adaptive(acceptance_rounds=8, draft_token_s=0.005, device_s=0.01))
+    assert alone.verdict_came()
+    assert alone.answer(4, hit=True, ahead=1, busy=True) is None
+    assert alone.answer(4, hit=False, ahead=0, busy=True) is None
+    assert alone.answer(4, hit=True, ahead=4, busy=True) == 4  # nothing left to draft: out at once
+    shared = RoundRules(DraftPolicy(), adaptive(acceptance_rounds=8, draft_token_s=0.005, device_s=0.01, sessions=8,
+                                                step_s=0.05))
+    assert shared.verdict_came()
+    assert shared.answer(4, hit=True, ahead=1, busy=True) == 1
+    slow = RoundRules(DraftPolicy(), adaptive(acceptance_rounds=8, draft_token_s=0.03, device_s=0.01))
+    assert slow.verdict_came()  # drafting at 30 ms a token, alone: the rest of K costs more than a round
+    assert slow.answer(4, hit=True, ahead=1, busy=True) == 1 and slow.answer(4, hit=False, ahead=0, busy=True) == 0
 
 
 @pytest.mark.parametrize("rules", [
