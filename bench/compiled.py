@@ -89,7 +89,7 @@ def run_family(kind: str, args) -> tuple[list[dict], dict]:
 
     from kernels.attention import Segment
     from verify_server.compiled import CompiledStep
-    from verify_server.kv_cache import KVCache
+    from verify_server.kv_cache import KVCache, KVLayout
     from verify_server.model_runner import ModelInput, ModelRunner
 
     model = model_of(kind, args.layers, args.hidden)
@@ -97,8 +97,7 @@ def run_family(kind: str, args) -> tuple[list[dict], dict]:
     most = max(n for n, _ in args.sizes)
     longest = max(t for _, t in args.sizes)
     seq = args.context + longest
-    kv = KVCache.create(cfg.num_hidden_layers, most * (seq + 16), 16, cfg.num_key_value_heads, 64, torch.float32,
-                        torch.device("cpu"), seq)
+    kv = KVCache.create(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, 64), most * (seq + 16), 16, seq)
     tables = [tuple(kv.blocks.allocate(kv.blocks_for(seq))) for _ in range(most)]
     g = torch.Generator().manual_seed(1)
     kv.k.normal_(generator=g).mul_(0.5)

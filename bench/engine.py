@@ -76,7 +76,7 @@ class Bench:
         import torch
 
         from kernels.attention import Segment
-        from verify_server.kv_cache import KVCache
+        from verify_server.kv_cache import KVCache, KVLayout
         from verify_server.model_loader import load_target
         from verify_server.model_runner import ModelInput
 
@@ -85,8 +85,7 @@ class Bench:
         self.cfg = cfg = self.target.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         seq = args.context + max(args.sweep + [1]) + 8
-        self.kv = KVCache.create(cfg.num_hidden_layers, seq, 16, cfg.num_key_value_heads, head_dim, torch.float32,
-                                 torch.device("cpu"), seq)
+        self.kv = KVCache.create(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim), seq, 16, seq)
         self.runners = {k: self.make(k) for k in args.kernels}
         self.wbytes = sum(p.numel() * p.element_size() for p in self.target.model.parameters())
         self.table = table = tuple(self.kv.blocks.allocate(self.kv.num_blocks))

@@ -54,7 +54,7 @@ def check_shape(spec: str, args, device, dtype) -> list[dict]:
 
     from kernels.attention import Segment
     from verify_server.compiled import CompiledStep
-    from verify_server.kv_cache import KVCache
+    from verify_server.kv_cache import KVCache, KVLayout
     from verify_server.model_loader import load_target
     from verify_server.model_runner import ModelInput, ModelRunner
 
@@ -65,8 +65,8 @@ def check_shape(spec: str, args, device, dtype) -> list[dict]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     most, longest = max(n for n, _ in args.sizes), max(t for _, t in args.sizes)
     seq = args.context + longest
-    kv = KVCache.create(cfg.num_hidden_layers, most * (seq + 16), 16, cfg.num_key_value_heads, head_dim, dtype,
-                        device, seq)
+    kv = KVCache.create(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, device),
+                        most * (seq + 16), 16, seq)
     tables = [tuple(kv.blocks.allocate(kv.blocks_for(seq))) for _ in range(most)]
     g = torch.Generator(device=device).manual_seed(0)
     kv.k.normal_(generator=g).mul_(0.5)

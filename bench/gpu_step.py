@@ -74,7 +74,7 @@ class Setup:
     def __init__(self, args):
         import torch
 
-        from verify_server.kv_cache import KVCache
+        from verify_server.kv_cache import KVCache, KVLayout
         from verify_server.model_loader import load_target, resolve_device, resolve_dtype
         from verify_server.model_runner import ModelRunner
 
@@ -88,8 +88,8 @@ class Setup:
         self.growing = 2 * args.rounds * args.growing_steps  # distinct contexts per configuration, both variants
         seq = args.context + self.growing + max(args.tokens) + 1
         # One block of seq positions per session: each reads its keys as one view.
-        kv = KVCache(cfg.num_hidden_layers, max(args.sessions), seq, cfg.num_key_value_heads, self.head_dim,
-                     self.dtype, self.device, seq)
+        kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, self.dtype, self.device),
+                     max(args.sessions), seq, seq)
         self.seq = seq
         g = torch.Generator(device=self.device).manual_seed(0)
         # Cached keys and values of the scale a real forward writes; positions past the context stay unwritten.

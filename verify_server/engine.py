@@ -27,7 +27,7 @@ from .constraint import Grammars, commit
 from .config import ServerConfig
 from .cost_model import StepCostModel
 from .errors import SledError, exhausted
-from .kv_cache import KVCache, chain_hashes
+from .kv_cache import KVCache, KVLayout, chain_hashes
 from .metrics import Metrics
 from .model_loader import Target
 from .model_runner import ModelInput, ModelRunner
@@ -56,9 +56,9 @@ def build_compute(config: ServerConfig, target: Target, attention: str = "sdpa",
         raise ValueError(f"max_seq_len {config.max_seq_len} is past the target's context length {context} "
                          "(its max_position_embeddings)")
     kv_heads = mcfg.num_key_value_heads // (shard.world if shard is not None else 1)  # the KV pool by KV head
-    kv = KVCache.create(mcfg.num_hidden_layers, kv_cache_tokens(config, mcfg, kv_heads, head_dim, param, shard),
-                        config.kv_block_size, kv_heads, head_dim, param.dtype, param.device, config.max_seq_len,
-                        config.prefix_cache_tokens)
+    kv = KVCache.create(KVLayout(mcfg.num_hidden_layers, kv_heads, head_dim, param.dtype, param.device),
+                        kv_cache_tokens(config, mcfg, kv_heads, head_dim, param, shard), config.kv_block_size,
+                        config.max_seq_len, config.prefix_cache_tokens)
     runner = ModelRunner(target.model, kv, attention, config.linear, config.fused, config.fused_max_tokens, shard)
     if config.compile == "on" or (config.compile == "auto" and param.device.type == "cuda"
                                   and (shard is None or shard.world == 1)):

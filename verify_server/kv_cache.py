@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -130,6 +131,20 @@ class BlockPool:
                 self._hash_of[block] = h
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token's keys and values are made of, in every layer: KV heads of head_dim, in dtype on device."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
 class KVCache:
     """Keys and values of every layer in one pool of blocks.
 
@@ -137,12 +152,12 @@ class KVCache:
     whose blocks are consecutive reads its keys as one view. How many positions of a session are valid is its
     `kv_len`. One block past the pool's is no session's: the compiled step writes its padding tokens there."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_seq_len: int, prefix_cache_tokens: int = 0):
-        shape = (num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim)
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, max_seq_len: int,
+                 prefix_cache_tokens: int = 0):
+        shape = (layout.num_layers, layout.num_kv_heads, (num_blocks + 1) * block_size, layout.head_dim)
         # torch.empty: pages are only touched as sessions fill them.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self.v = torch.empty(shape, dtype=layout.dtype, device=layout.device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_seq_len = max_seq_len
@@ -153,19 +168,17 @@ class KVCache:
         self.zero_blocks = False
 
     @classmethod
-    def create(cls, num_layers: int, num_tokens: int, block_size: int, num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype, device: torch.device, max_seq_len: int,
+    def create(cls, layout: KVLayout, num_tokens: int, block_size: int, max_seq_len: int,
                prefix_cache_tokens: int = 0) -> KVCache:
         """A pool of at least `num_tokens` tokens, or a ValueError that says what it needed where the device's
         memory cannot hold it."""
         num_blocks = -(-num_tokens // block_size)
         try:
-            return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, max_seq_len,
-                       prefix_cache_tokens)
+            return cls(layout, num_blocks, block_size, max_seq_len, prefix_cache_tokens)
         except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
-            size = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+            size = num_blocks * block_size * layout.bytes_per_token()
             raise ValueError(f"the KV pool of {num_blocks * block_size} tokens ({size / 2**30:.1f} GiB) does not "
-                             f"fit in {device}'s memory: lower kv_cache_tokens") from None
+                             f"fit in {layout.device}'s memory: lower kv_cache_tokens") from None
 
     def bytes_per_token(self) -> int:
         layers, heads, _, dim = self.k.shape

@@ -108,6 +108,8 @@ def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
     assert fixed_ks(8, None) == [2, 4, 8] and fixed_ks(4, None) == [2, 4] and fixed_ks(3, None) == [2, 3]
     assert fixed_ks(8, [3, 5]) == [3, 5]
     assert build_parser().parse_args(["--adaptive", "--fixed-k", "4,2,4"]).fixed_k == [2, 4]
+    chosen = build_parser().parse_args(["--models-only", "--no-stacked"])
+    assert (chosen.models_only, chosen.stacked) == (True, False)
     for bad in ("0,2", "two", ","):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--adaptive", "--fixed-k", bad])

@@ -76,7 +76,7 @@ def reference(target, prompt: list[int], n: int) -> list[int]:
 def test_the_runner_gives_transformers_logits_on_a_ragged_batch(family, attention):
     """A prompt longer than the window, then in one batch a decode token of one session and a draft of another:
     every row's logits are transformers' at that position."""
-    from verify_server.kv_cache import KVCache
+    from verify_server.kv_cache import KVCache, KVLayout
     from verify_server.model_runner import ModelInput, ModelRunner
 
     kind, _, target = family
@@ -84,8 +84,7 @@ def test_the_runner_gives_transformers_logits_on_a_ragged_batch(family, attentio
     ids = torch.tensor(PROMPT)
     with torch.inference_mode():
         want = target.model(ids[None]).logits[0]
-    kv = KVCache(cfg.num_hidden_layers, 32, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
-                 torch.device("cpu"), 64)
+    kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 32, 4, 64)
     runner = ModelRunner(target.model, kv, attention=attention)
     a, b = [], []
     n = len(PROMPT)
@@ -163,13 +162,12 @@ def test_greedy_through_a_server_and_a_device_equals_transformers_generate(famil
 
 
 def test_the_fused_cpu_step_steps_aside_with_its_reason(family, caplog):
-    from verify_server.kv_cache import KVCache
+    from verify_server.kv_cache import KVCache, KVLayout
     from verify_server.model_runner import ModelRunner
 
     kind, _, target = family
     cfg = target.model.config
-    kv = KVCache(cfg.num_hidden_layers, 2, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
-                 torch.device("cpu"), 32)
+    kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 2, 16, 32)
     reason = {"qwen3": "q/k norms", "gemma3_text": "Gemma's norms", "mistral": "sliding-window layers"}[kind]
     with caplog.at_level(logging.INFO, logger="verify_server.model_runner"):
         assert ModelRunner(target.model, kv, fused="auto").fused is None

@@ -91,11 +91,11 @@ def test_runner_logits_match_transformers(target):
     import torch
 
     from kernels.attention import Segment
-    from verify_server.kv_cache import KVCache
+    from verify_server.kv_cache import KVCache, KVLayout
     from verify_server.model_runner import ModelInput, ModelRunner
 
     cfg = target.model.config
-    kv = KVCache(cfg.num_hidden_layers, 12, 16, cfg.num_key_value_heads, 64, torch.float32, torch.device("cpu"), 64)
+    kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, 64), 12, 16, 64)
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2, 30, 31]
     with torch.inference_mode():
         want = target.model(torch.tensor([ids])).logits[0]

@@ -76,12 +76,11 @@ def test_random_target_greedy_text_is_stable_under_rounding(tmp_path):
 
 
 def test_runner_matches_transformers_on_the_random_shape(tiny):
-    from verify_server.kv_cache import KVCache
+    from verify_server.kv_cache import KVCache, KVLayout
     from verify_server.model_runner import ModelInput, ModelRunner
 
     cfg = tiny.model.config
-    kv = KVCache(cfg.num_hidden_layers, 16, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
-                 torch.device("cpu"), 32)
+    kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 16, 4, 32)
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 2]
     with torch.inference_mode():
         want = tiny.model(torch.tensor([ids])).logits[0]

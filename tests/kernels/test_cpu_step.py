@@ -11,7 +11,7 @@ import torch
 
 from kernels.attention import Segment
 from kernels.cpu_step import load_library
-from verify_server.kv_cache import KVCache
+from verify_server.kv_cache import KVCache, KVLayout
 from verify_server.model_runner import FusedCalibration, ModelInput, ModelRunner
 
 # No skip when the library cannot be built: `make test` needs a C compiler anyway (llama-cpp-python builds from
@@ -53,8 +53,8 @@ def _runners(model, slots=3, max_seq=48):
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     caches = []
     for _ in range(2):
-        kv = KVCache(cfg.num_hidden_layers, slots * max_seq // BLOCK, BLOCK, cfg.num_key_value_heads, head_dim,
-                     torch.float32, torch.device("cpu"), max_seq)
+        kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim), slots * max_seq // BLOCK,
+                     BLOCK, max_seq)
         kv.tables = _tables(slots, max_seq)
         kv.k.fill_(POISON)
         kv.v.fill_(POISON)
@@ -356,12 +356,12 @@ def test_a_restart_keeps_the_measured_threshold_and_measures_again_past_a_corrup
 
 def test_fused_modes():
     model = _model(*SHAPES["head10-tails"])
-    kv = KVCache(2, 2, 4, 2, 10, torch.float32, torch.device("cpu"), 8)
+    kv = KVCache(KVLayout(2, 2, 10), 2, 4, 8)
     assert ModelRunner(model, kv, fused="auto").fused is not None
     assert ModelRunner(model, kv, fused="off").fused is None
     with pytest.raises(ValueError, match="fused must be"):
         ModelRunner(model, kv, fused="fast")
-    half = KVCache(2, 2, 4, 2, 10, torch.bfloat16, torch.device("cpu"), 8)
+    half = KVCache(KVLayout(2, 2, 10, torch.bfloat16), 2, 4, 8)
     assert ModelRunner(model.to(torch.bfloat16), half, fused="auto").fused is None  # float32 only: PyTorch
     with pytest.raises(ValueError, match="fused: on, but"):
         ModelRunner(model, half, fused="on")

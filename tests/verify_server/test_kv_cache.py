@@ -4,7 +4,7 @@ import torch
 from kernels.attention import (ATTENTION, BATCH_MAX_TOKENS, Segment, attention_batched, attention_plan, attention_reference,
                                attention_sdpa, batch_plan, causal_masks)
 from verify_server.errors import SledError
-from verify_server.kv_cache import BlockPool, KVCache, chain_hashes
+from verify_server.kv_cache import BlockPool, KVCache, KVLayout, chain_hashes
 
 
 def test_blocks_allocate_all_or_none_and_the_refusal_names_the_pool():
@@ -23,7 +23,7 @@ def test_blocks_allocate_all_or_none_and_the_refusal_names_the_pool():
 
 
 def test_a_rollback_frees_the_whole_blocks_past_the_new_length_and_growing_takes_them_again():
-    kv = KVCache(1, 8, 4, 1, 2, torch.float32, torch.device("cpu"), 32)
+    kv = KVCache(KVLayout(1, 1, 2), 8, 4, 32)
     table: list[int] = []
     kv.grow(table, 13)  # positions 0..12: four blocks
     assert len(table) == 4 and kv.blocks.num_free == 4
@@ -157,8 +157,8 @@ def test_batched_attention_matches_reference_over_a_poisoned_cache(lengths):
 
 def test_a_pool_too_large_for_memory_is_a_clear_error():
     with pytest.raises(ValueError, match=r"KV pool of 100000000000 tokens \(.* GiB\) does not fit"):
-        KVCache.create(1000, 100_000_000_000, 16, 8, 128, torch.float32, torch.device("cpu"), 2048)
-    kv = KVCache.create(2, 100, 16, 1, 4, torch.float32, torch.device("cpu"), 64)
+        KVCache.create(KVLayout(1000, 8, 128), 100_000_000_000, 16, 2048)
+    kv = KVCache.create(KVLayout(2, 1, 4), 100, 16, 64)
     assert kv.num_blocks == 7 and kv.blocks.num_free == 7  # rounded up to whole blocks
 
 
