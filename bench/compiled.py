@@ -14,6 +14,7 @@ Writes its section of docs/benchmarks.md and, with --json, the rows.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -164,7 +165,7 @@ def main(args) -> int:
                      f"{r['compiled_ms']:.1f} | {r['compiled_over_eager']:.2f}x | {over_fused} |")
     compiles = ", ".join(f"{m['family']} {m['compile_s']:.0f} s" for m in meta)
     worst = max(m["max_logit_difference"] for m in meta)
-    command = "sled-bench compiled " + " ".join(sys.argv[2:])
+    command = "sled-bench compiled " + shlex.join(sys.argv[2:])
     section = "\n".join([
         MARKER, "",
         f"`{command.strip()}` on {machine()}, {torch.get_num_threads()} torch threads, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -464,7 +465,7 @@ def main(args) -> int:
     table = "\n".join(lines) + "\n\n" + "\n".join([goals, *notes, *checked, *walks, *ceilings])
     print("\n" + table)
     section = (
-        f"{marker(args.device_pace, args.adaptive, bool(args.trained))}\n\n`sled-bench drafters {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{marker(args.device_pace, args.adaptive, bool(args.trained))}\n\n`sled-bench drafters {shlex.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
         f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
@@ -474,7 +475,9 @@ def main(args) -> int:
         + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
         f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions, chat "
-        f"template; one device, prompts one after another, one drafter instance a set; {args.repeats} runs of each, "
+        f"template; one device, prompts one after another, one drafter instance a set"
+        + (" (and one adaptive controller, as a device keeps)" if args.adaptive else "")
+        + f"; {args.repeats} runs of each, "
         "interleaved, and the run of median device tok/s shown\n"
         + ("" if args.device_pace == 1.0 else
            f"- the device drafts {args.device_pace:g}x slower than this host: each drafter call (begin, propose, a "

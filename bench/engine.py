@@ -22,6 +22,7 @@ Writes its section of docs/benchmarks.md and, with --json, the rows.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -213,7 +214,7 @@ def main(args) -> int:
     sweep_rows, sweep_lines = sweep(bench, args) if args.sweep else ([], [])
     wbytes, bw_best, bw_median = bench.wbytes, max(bandwidths), statistics.median(bandwidths)
     section = (
-        f"{MARKER}\n\n`sled-bench engine {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{MARKER}\n\n`sled-bench engine {shlex.join(sys.argv[2:])}` on {machine()}, "
         f"{torch.get_num_threads()} torch threads, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- step: `ModelRunner.forward`, one new token of one session over {args.context} cached tokens, "
         f"{args.rounds} rounds × {args.steps} steps a kernel, kernels interleaved\n"

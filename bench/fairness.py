@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -186,7 +187,7 @@ def summary(chunk: int | None, got: dict[str, list[float]], seconds: float) -> d
 
 
 def section(args, rows: list[dict]) -> str:
-    command = "sled-bench fairness " + " ".join(sys.argv[2:])
+    command = "sled-bench fairness " + shlex.join(sys.argv[2:])
     first = "\n".join(
         f"| {r['chunk']} | {r['ttft_alone_ms']:.0f} | {r['ttft_idle_ms']:.0f} ({r['ttft_idle_ratio']:.2f}x) | "
         f"{r['ttft_beside_ms']:.0f} ({r['ttft_beside_ratio']:.2f}x) | {r['rounds_alone_median_ms']:.1f} | "

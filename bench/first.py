@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -119,7 +120,7 @@ def main(args) -> int:
 def section(args, table: str) -> str:
     counts = args.sessions
     return (
-        f"{MARKER}\n\n`sled-bench first {' '.join(sys.argv[2:])}` (also `make bench`) on {machine()}, "
+        f"{MARKER}\n\n`sled-bench first {shlex.join(sys.argv[2:])}` (also `make bench`) on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; devices and server share these cores.\n\n"
         f"- target: SmolLM2-135M-Instruct (the GGUF dequantized to float32, torch on CPU); drafter: the same GGUF "
         f"(Q4_1) in llama.cpp, K = {args.draft_tokens}, drafting ahead {'on' if args.draft_ahead else 'off'}, "

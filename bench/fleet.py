@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import shlex
 import statistics
 from dataclasses import dataclass, field
 
@@ -553,7 +554,7 @@ def report(args, drafting, cost: LinearCost, gap: tuple[float, float], accept, w
         scen.append(f"| {sc['scenario']} | {sc['devices']} ({sc['draft_ms']:.1f}) | {sc['slo']['p95_tpot_ms']:g} ms | "
                     f"{sled['devices']} | {base['devices']} | {vs} | {sled['bound']}, {base['bound']} |")
     return (
-        f"{MARKER}\n\n`sled-bench fleet {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{MARKER}\n\n`sled-bench fleet {shlex.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}. Modelled, not measured, except the calibration's "
         "measured columns.\n\n"
         f"- calibration: `sled-bench capacity`'s run on this CPU ({args.calibrate_repeats} passes a count, the median "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -305,7 +306,7 @@ def main(args) -> int:
               else MARKER)
     drafter = Path(args.draft_model).name if args.draft_model else "SmolLM2 Q4_1"
     section = (
-        f"{marker}\n\n`sled-bench fly {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{marker}\n\n`sled-bench fly {shlex.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target SmolLM2-135M-Instruct (float32, torch), drafter {drafter} (llama.cpp, 1 thread); HumanEval's "
         f"first {len(items)} problems, the raw prompt, greedy, at most {args.max_tokens} tokens, cut at HumanEval's "

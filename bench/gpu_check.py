@@ -19,6 +19,7 @@ Writes its section of docs/benchmarks.md and, with --json, the rows.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -151,7 +152,7 @@ def main(args) -> int:
     where = gpu_name() if device.type == "cuda" else machine()
     section = "\n".join([
         MARKER, "",
-        f"`sled-bench gpu-check {' '.join(sys.argv[2:])}` on {where}, {dtype}, "
+        f"`sled-bench gpu-check {shlex.join(sys.argv[2:])}` on {where}, {dtype}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d}.", "",
         f"Random-weight targets; each size is N sessions of T new tokens over {args.context} cached tokens. Step "
         f"p50 in ms (synchronized host time, the paths interleaved over {args.rounds} rounds of {args.steps} steps); "

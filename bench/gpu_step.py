@@ -21,6 +21,7 @@ Writes its section of docs/benchmarks.md and, with --json, the rows.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -226,7 +227,7 @@ def main(args) -> int:
                      f"| {rel:.1e} | {same:.1%} | {grow:.2f} | {cudnn:.2f} |")
     gpu = gpu_name() if setup.device.type == "cuda" else None
     section = (
-        f"{MARKER}\n\n`sled-bench gpu-step {' '.join(sys.argv[2:])}` on {machine()}"
+        f"{MARKER}\n\n`sled-bench gpu-step {shlex.join(sys.argv[2:])}` on {machine()}"
         + (f", GPU {gpu}" if gpu else " (no GPU)") + f", torch {torch.__version__}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: {setup.target.name}, {setup.dtype}; every session holds {args.context} cached tokens; the step is "

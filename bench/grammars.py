@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -177,7 +178,7 @@ def main(args) -> int:
     table = "\n".join(lines)
     print("\n" + table)
     section = (
-        f"{MARKER}\n\n`sled-bench grammars {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{MARKER}\n\n`sled-bench grammars {shlex.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- the target's tokenizer (SmolLM2, {vocab_size:,} tokens), one thread; {len(TASKS)} constraints ("
         + ", ".join(n for n, *_ in TASKS) + f"), each compiled cold {args.repeats} times and its valid answers "

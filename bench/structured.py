@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -147,7 +148,7 @@ def main(args) -> int:
     table = "\n".join(lines) + "\n\n" + goals
     print("\n" + table)
     section = (
-        f"{MARKER}\n\n`sled-bench structured {' '.join(sys.argv[2:])}` on {machine()}, "
+        f"{MARKER}\n\n`sled-bench structured {shlex.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target SmolLM2-135M-Instruct (float32, torch), drafter SmolLM2 Q4_1 (llama.cpp); greedy; K = "
         f"{args.draft_tokens} fixed, no drafting ahead; at most {args.max_tokens} tokens an output; "

@@ -17,6 +17,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -303,7 +304,7 @@ def describe_run(args, drafting: Drafting, info, command: str, prompts_n: int, p
               + (f" (per-position match {args.draft_match_measured[0]:.3f})"
                  if getattr(args, "draft_match_measured", None) else ""))
     rel = [os.path.relpath(p, Path(args.markdown).parent) for p in plots]
-    return (f"`sled-bench {command} {' '.join(sys.argv[2:])}` on {machine()}"
+    return (f"`sled-bench {command} {shlex.join(sys.argv[2:])}` on {machine()}"
             + (f", GPU {gpu}" if gpu else "") + f", {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}"
             + (f", at {build()}" if build() else "") + ".\n\n"
             f"- target: {target}; server kernels: {describe_kernels(info)}\n"
