@@ -48,7 +48,6 @@ class DraftLength(Protocol):
 class FixedDraftLength:
     """K tokens every round: learns nothing, stops no draft early, finishes each draft to K."""
 
-
     def __init__(self, k: int):
         self.k = self.k_max = k
 
