@@ -212,28 +212,31 @@ class Engine:
 
     def _fused_threshold(self, blocks: list[int]) -> None:
         """fused_max_tokens as kept from an earlier start with the same key, else measured (within the time bound)
-        and kept."""
+        and kept; a calibration the bound cut is kept as far as it went, and the next start goes on from there."""
         cache = StartCache(self.config.start_cache_folder())
         key = self.start_key()
         kept = cache.get("fused", key)
-        if kept is not None:
+        if kept is not None and kept.get("complete", True):
             self.runner.set_fused_max_tokens(int(kept["fused_max_tokens"]))
             log.info("fused step up to %d tokens, as measured at an earlier start (%s)",
                      self.runner.fused_max_tokens, cache.path("fused", key))
             return
+        try:
+            known = {int(n): float(r) for n, r in kept["ratios"].items()} if kept is not None else {}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            known = {}
         t0 = time.monotonic()
-        done = self.runner.calibrate_fused(blocks, budget_s=self.config.calibration_budget_s)
+        done = self.runner.calibrate_fused(blocks, budget_s=self.config.calibration_budget_s, known=known)
         ratios = ", ".join(f"{n}: {r:.2f}" for n, r in done.ratios.items())
+        cache.put("fused", key, {"fused_max_tokens": done.max_tokens, "complete": not done.cut,
+                                 "ratios": {str(n): r for n, r in done.ratios.items()}})
         if done.cut:
             log.warning("the fused step's calibration was cut at its %gs bound (calibration_budget_s) after %.0fs: "
-                        "fused up to %d tokens, a safe default (fused / PyTorch: %s); not kept, the next start "
-                        "measures again", self.config.calibration_budget_s, time.monotonic() - t0,
-                        done.max_tokens, ratios)
+                        "fused up to %d tokens, a safe default (fused / PyTorch: %s); the next start goes on from "
+                        "there", self.config.calibration_budget_s, time.monotonic() - t0, done.max_tokens, ratios)
             return
-        log.info("fused step up to %d tokens, measured in %.0fs (fused / PyTorch: %s)", done.max_tokens,
-                 time.monotonic() - t0, ratios)
-        cache.put("fused", key, {"fused_max_tokens": done.max_tokens,
-                                 "ratios": {str(n): r for n, r in done.ratios.items()}})
+        log.info("fused step up to %d tokens, measured in %.0fs%s (fused / PyTorch: %s)", done.max_tokens,
+                 time.monotonic() - t0, " after an earlier start's part" if known else "", ratios)
 
     def start_key(self) -> dict:
         """What start-up measurements depend on: machine, target, dtype, threads, kernels and their builds."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,35 @@ def vocabulary_tokenizer(folder: str | Path | None = None):
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+_ONE_READ = threading.Lock()
+
+
+@contextmanager
+def one_gguf_read():
+    """Within the block, each GGUF file is parsed once and each architecture's tensor names are built once:
+    transformers builds a gguf.GGUFReader for the config, the tokenizer and the weights alike (walking the
+    vocabulary's every string takes seconds each), and a name map for each of the model's modules."""
+    import functools
+
+    import gguf
+
+    with _ONE_READ:
+        made, name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
+
+        def shared(path, mode="r"):
+            key = (str(Path(path).resolve()), mode)
+            if key not in readers:
+                readers[key] = made(path, mode)
+            return readers[key]
+
+        # transformers imports both from the package at each use
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared, functools.cache(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = made, name_map
+
+
 def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtype,
                 tokenizer: str | Path | None = None, cache: StartCache | None = None,
                 shard: tuple[int, int] | None = None) -> Target:
@@ -145,17 +176,18 @@ def load_target(path: str | Path | None, device: torch.device, dtype: torch.dtyp
 
     from .model_runner import check_architecture
 
-    config = AutoConfig.from_pretrained(folder, **kwargs)
-    check_architecture(config)  # before reading any weights
-    log.info("loading target %s (%s, %s)", path, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    sliced = shard is not None and "gguf_file" not in kwargs and any(Path(folder).glob("*.safetensors"))
-    if sliced:
-        log.info("tensor-parallel rank %d of %d: reading its slices of %s", shard[0], shard[1], folder)
-        model = load_shard(Path(folder), config, dtype, *shard).to(device)
-    else:
-        # the config read once: each read of a GGUF's metadata takes seconds
-        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs).to(device).eval()
+    with one_gguf_read() if "gguf_file" in kwargs else nullcontext():
+        config = AutoConfig.from_pretrained(folder, **kwargs)
+        check_architecture(config)  # before reading any weights
+        log.info("loading target %s (%s, %s)", path, device, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        sliced = shard is not None and "gguf_file" not in kwargs and any(Path(folder).glob("*.safetensors"))
+        if sliced:
+            log.info("tensor-parallel rank %d of %d: reading its slices of %s", shard[0], shard[1], folder)
+            model = load_shard(Path(folder), config, dtype, *shard).to(device)
+        else:  # the config passed on, so a GGUF's is not built twice
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype,
+                                                         **kwargs).to(device).eval()
     vocab_size = int(model.config.vocab_size)
     tokens = vocab_tokens(tokenizer, vocab_size)
     eos = model.config.eos_token_id

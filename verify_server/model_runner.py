@@ -185,14 +185,14 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 # The fused step's threshold before calibrate_fused() runs, or where a runner is built without it.
 UNCALIBRATED_FUSED_MAX_TOKENS = 8
-# The sizes calibrate_fused() times, up to a loaded server's largest steps; it stops at the first size PyTorch wins.
+# The sizes calibrate_fused() bisects, up to a loaded server's largest steps.
 CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass(frozen=True)
 class FusedCalibration:
-    """calibrate_fused's outcome: the threshold it set, fused / PyTorch per size tried, and whether its time bound
-    cut it short."""
+    """calibrate_fused's outcome: the threshold it set, fused / PyTorch per size timed, and whether its time bound
+    cut it short (a later start goes on from `ratios`)."""
 
     max_tokens: int
     ratios: dict[int, float]
@@ -293,40 +293,55 @@ class ModelRunner:
                 "fused_max_tokens": self.fused_max_tokens if self.fused is not None else 0}
 
     def calibrate_fused(self, blocks: list[int], sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
-                        timer=None, confirm: int = 2, budget_s: float | None = None,
-                        clock=time.monotonic) -> FusedCalibration:
+                        timer=None, confirm: int = 2, budget_s: float | None = None, clock=time.monotonic,
+                        known: dict[int, float] | None = None) -> FusedCalibration:
         """Set fused_max_tokens where the fused step stops beating PyTorch on this machine: the largest of `sizes`
-        up to which one session's forward of that many tokens (positions from 0) is at least as fast
-        fused, the two timed alternately `repeats` times (best of each); `blocks` is the block table it writes
-        into, long enough for the largest size. A size PyTorch seems to win is timed
+        at which one session's forward of that many tokens (positions from 0) is at least as fast fused, the two
+        timed alternately `repeats` times (best of each); `blocks` is the block table it writes into, long enough
+        for the largest size. The fused step wins small steps and PyTorch's GEMMs large ones, so the sizes are
+        bisected: a win rules in every smaller size, a loss every larger one. A size PyTorch seems to win is timed
         `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
         disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. Past
-        `budget_s` seconds (by `clock`) no further pair is timed: the threshold is then the sizes measured in full
-        so far, at least UNCALIBRATED_FUSED_MAX_TOKENS. `timer(n, fused)`, for tests, replaces the measurement."""
+        `budget_s` seconds (by `clock`) no further pair is timed: the threshold is then the largest win so far, at
+        least UNCALIBRATED_FUSED_MAX_TOKENS below any loss, and the outcome is `cut`. `known`: the ratios of an
+        earlier, cut calibration, not timed again. `timer(n, fused)`, for tests, replaces the measurement."""
         timer = timer or (lambda n, fused: self._time_forward(n, blocks, fused))
         deadline = clock() + budget_s if budget_s is not None else None
-        ratios, best, cut = {}, 0, False
         late = lambda: deadline is not None and clock() > deadline  # noqa: E731
         room = min(len(blocks) * self.kv.block_size, self.kv.max_seq_len)
-        for n in (n for n in sizes if n <= room):
-            times = {True: [], False: []}
-            for _ in range(1 + confirm):
-                for _ in range(repeats):
-                    if late():  # a size not timed in full does not count
-                        cut = True
-                        break
-                    for fused in (True, False):
-                        times[fused].append(timer(n, fused))
-                if cut:
-                    break
-                ratios[n] = min(times[True]) / min(times[False])
-                if ratios[n] <= 1.0:
-                    break
-            if cut or ratios[n] > 1.0:
+        ratios = dict(known or {})
+        cut = False
+        while True:
+            limit = min((n for n, r in ratios.items() if r > 1.0), default=float("inf"))
+            best = max((n for n, r in ratios.items() if r <= 1.0 and n < limit), default=0)
+            open_ = [n for n in sizes if best < n < limit and n <= room]
+            if not open_:
                 break
-            best = n
-        self.fused_max_tokens = max(best, UNCALIBRATED_FUSED_MAX_TOKENS) if cut else best
-        return FusedCalibration(self.fused_max_tokens, ratios, cut)
+            n = open_[len(open_) // 2]
+            ratio = self._fused_ratio(n, timer, repeats, confirm, late)
+            if ratio is None:  # a size not timed in full does not count
+                cut = True
+                break
+            ratios[n] = ratio
+        fallback = UNCALIBRATED_FUSED_MAX_TOKENS if limit > UNCALIBRATED_FUSED_MAX_TOKENS else 0
+        self.fused_max_tokens = max(best, fallback) if cut else best
+        return FusedCalibration(self.fused_max_tokens, dict(sorted(ratios.items())), cut)
+
+    @staticmethod
+    def _fused_ratio(n: int, timer, repeats: int, confirm: int, late) -> float | None:
+        """Fused / PyTorch at n tokens, best of each; a loss is timed again up to `confirm` times. None: `late()`
+        came first."""
+        times = {True: [], False: []}
+        for _ in range(1 + confirm):
+            for _ in range(repeats):
+                if late():
+                    return None
+                for fused in (True, False):
+                    times[fused].append(timer(n, fused))
+            ratio = min(times[True]) / min(times[False])
+            if ratio <= 1.0:
+                break
+        return ratio
 
     def set_fused_max_tokens(self, n: int) -> None:
         """The fused step's threshold as an earlier calibration measured it (through any wrapper of the runner)."""

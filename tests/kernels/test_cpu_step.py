@@ -222,17 +222,23 @@ def test_batches_past_the_threshold_take_pytorch(monkeypatch):
 
 
 def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
-    """fused_max_tokens unset: the warm-up times both paths and keeps the fused step up to the last size it wins,
-    stopping at its first loss (a later lucky win does not count)."""
+    """fused_max_tokens unset: the warm-up bisects the sizes, timing both paths at each, and keeps the fused step
+    up to the last size it wins; a win rules in the sizes below it, a loss those above."""
     model = _model(*SHAPES["head10-tails"])
     fused, _ = _runners(model)
-    cost = {1: (1, 2), 2: (2, 3), 4: (3, 4), 8: (5, 5), 12: (7, 6), 16: (8, 9)}  # n: (fused, PyTorch)
+    cost = {1: (1, 2), 2: (2, 3), 4: (3, 4), 8: (5, 5), 12: (7, 6), 16: (9, 8)}  # n: (fused, PyTorch)
     seen = []
     ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(cost),
                                    timer=lambda n, f: seen.append((n, f)) or cost[n][not f]).ratios
-    assert fused.fused_max_tokens == 8  # ties count as a win; 12 loses; 16 is never tried
-    assert list(ratios) == [1, 2, 4, 8, 12] and ratios[12] == pytest.approx(7 / 6)
-    assert seen[:6] == [(1, True), (1, False)] * 3  # alternated, three times each
+    assert fused.fused_max_tokens == 8  # ties count as a win; 12 loses
+    assert list(ratios) == [8, 12, 16] and ratios[12] == pytest.approx(7 / 6)
+    assert [n for n, f in seen if f] == [8] * 3 + [16] * 9 + [12] * 9  # 1, 2 and 4 are never timed
+    assert seen[:6] == [(8, True), (8, False)] * 3  # alternated, three times each
+    # Every size wins, or every size loses: the search ends at the largest, or the smallest.
+    assert fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(cost),
+                                 timer=lambda n, f: 1.0 if f else 2.0).max_tokens == 16
+    assert fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(cost),
+                                 timer=lambda n, f: 2.0 if f else 1.0).max_tokens == 0
     # Measured for real (threshold within the sizes tried), the forwards it ran leave the runner as it was.
     ratios = fused.calibrate_fused(list(fused.kv.tables[1]), sizes=(1, 2, 4, 8), repeats=1).ratios
     assert set(ratios) <= {1, 2, 4, 8} and fused.fused_max_tokens in (0, *ratios)
@@ -241,7 +247,7 @@ def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
 def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops_there():
     """One disturbed stretch (a fresh or busy host) made the fused step look slower at a size where it wins,
     and the threshold stopped there, sending a loaded server's large steps through PyTorch. A loss is
-    timed again; a real one still stops the calibration, after the re-timing."""
+    timed again; a real one still bounds the threshold, after the re-timing."""
     model = _model(*SHAPES["head10-tails"])
     fused, _ = _runners(model)
     seen = []
@@ -255,14 +261,14 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
     ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4, 8, 12, 16), timer=blip).ratios
     assert fused.fused_max_tokens == 16 and ratios[8] == pytest.approx(0.8)
     assert seen.count((8, True)) == seen.count((8, False)) == 6  # one more round of three pairs at 8
-    assert seen.count((4, True)) == 3
+    assert seen.count((16, True)) == 3
 
     seen.clear()
     real_loss = {1: (1, 2), 2: (2, 3), 4: (5, 4), 8: (1, 9)}  # PyTorch wins at 4 every time; 8 is never tried
     ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(real_loss),
                                    timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f]).ratios
-    assert fused.fused_max_tokens == 2 and list(ratios) == [1, 2, 4]
-    assert seen.count((4, True)) == seen.count((4, False)) == 9  # three rounds of three pairs, then it stops
+    assert fused.fused_max_tokens == 2 and list(ratios) == [2, 4]
+    assert seen.count((4, True)) == seen.count((4, False)) == 9  # three rounds of three pairs
     seen.clear()
     fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(real_loss), confirm=0,
                           timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f])
@@ -270,35 +276,39 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
     assert seen.count((4, True)) == 3  # confirm=0: no re-timing
 
 
-def test_a_calibration_past_its_time_bound_stops_and_keeps_a_safe_threshold():
-    """A loaded host times every size slowly: past budget_s no pair is timed, the threshold is what was measured in
-    full, at least the uncalibrated default, and the outcome says it was cut."""
+def test_a_calibration_past_its_time_bound_stops_keeps_a_safe_threshold_and_goes_on_later():
+    """A loaded host times every size slowly: past budget_s no pair is timed, the threshold is the largest win so
+    far, at least the uncalibrated default below any loss, and the outcome says it was cut. A later calibration
+    given those ratios times only the sizes still open."""
     from verify_server.model_runner import UNCALIBRATED_FUSED_MAX_TOKENS
 
     model = _model(*SHAPES["head10-tails"])
     fused, _ = _runners(model)
-    now = [0.0]
+    now, seen = [0.0], []
+    sizes = (1, 2, 4, 8, 12, 16, 24, 32)
 
-    def slow(n, f):  # every timing moves the clock by a second; the fused step always wins
+    def slow(n, f):  # every timing moves the clock by a second; the fused step wins up to 12 tokens
         now[0] += 1.0
-        return 4.0 if f else 5.0
+        seen.append(n)
+        return (4.0 if f else 5.0) if n <= 12 else (5.0 if f else 4.0)
 
-    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4, 8, 12, 16), timer=slow,
-                                 budget_s=10.0, clock=lambda: now[0])
-    assert done.cut and list(done.ratios) == [1, 2]  # 6 s a size: the third starts past 10 s
+    def calibrate(budget_s, **kw):
+        now[0] = 0.0
+        seen.clear()
+        return fused.calibrate_fused(list(fused.kv.tables[0]), sizes=sizes, timer=slow, budget_s=budget_s,
+                                     clock=lambda: now[0], **kw)
+
+    done = calibrate(3.0)  # 6 s a size: the first size is cut inside its pairs and does not count
+    assert done.cut and done.ratios == {} and now[0] == 4.0
     assert done.max_tokens == fused.fused_max_tokens == UNCALIBRATED_FUSED_MAX_TOKENS
-    now[0] = 0.0
-    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4, 8, 12, 16), timer=slow,
-                                 budget_s=29.0, clock=lambda: now[0])
-    assert done.cut and list(done.ratios) == [1, 2, 4, 8, 12] and done.max_tokens == 12  # past the default: kept
-    now[0] = 0.0
-    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4), timer=slow, budget_s=7.0,
-                                 clock=lambda: now[0])
-    assert done.cut and list(done.ratios) == [1] and now[0] == 8.0  # cut inside size 2, which does not count
-    now[0] = 0.0
-    done = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4), timer=slow, budget_s=30.0,
-                                 clock=lambda: now[0])
-    assert not done.cut and done.max_tokens == 4
+    done = calibrate(10.0)  # 12 wins; 24, which loses, is cut inside its re-timing
+    assert done.cut and list(done.ratios) == [12] and done.max_tokens == 12
+    done = calibrate(20.0, known={12: 0.8, 24: 1.25})  # an earlier start found 12 to win, 24 to lose
+    assert not done.cut and seen == [16] * 18 and done.max_tokens == 12 and list(done.ratios) == [12, 16, 24]
+    done = calibrate(3.0, known={4: 1.25})  # a known loss at 4 keeps a cut threshold below it
+    assert done.cut and done.max_tokens == 0
+    done = calibrate(100.0)
+    assert not done.cut and done.max_tokens == 12 and seen == [12] * 6 + [24] * 18 + [16] * 18
 
 
 @pytest.mark.model
@@ -433,3 +443,31 @@ def test_a_prefill_step_without_logit_rows_writes_the_cache_and_returns_no_logit
     rows = fused.kv.rows(list(fused.kv.tables[0]), 0, 11) + fused.kv.rows(list(fused.kv.tables[1]), 0, 4)
     assert torch.allclose(fused.kv.k[:, :, rows], reference.kv.k[:, :, rows], atol=1e-4, rtol=1e-4)
     assert torch.allclose(fused.kv.v[:, :, rows], reference.kv.v[:, :, rows], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_a_cut_calibration_is_kept_and_the_next_start_goes_on_from_it(target, tmp_path):
+    """A slow or loaded host's first start is cut by the bound: what it measured is kept, the next start times only
+    what is left, and once complete a restart measures nothing."""
+    from verify_server.config import ServerConfig
+    from verify_server.engine import Engine
+
+    calls, outcomes = [], [FusedCalibration(8, {32: 0.7}, True), FusedCalibration(64, {32: 0.7, 64: 0.9, 96: 1.1},
+                                                                                    False)]
+
+    def start():
+        engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128, start_cache_dir=str(tmp_path)), target)
+
+        def calibrate(blocks, **kw):
+            calls.append(kw["known"])
+            done = outcomes[len(calls) - 1]
+            engine.runner.set_fused_max_tokens(done.max_tokens)
+            return done
+
+        engine.runner.calibrate_fused = calibrate
+        engine.warmup()
+        return engine
+
+    assert start().runner.fused_max_tokens == 8 and calls == [{}]
+    assert start().runner.fused_max_tokens == 64 and calls == [{}, {32: 0.7}]  # went on from the first's ratios
+    assert start().runner.fused_max_tokens == 64 and len(calls) == 2  # complete: kept, not measured again

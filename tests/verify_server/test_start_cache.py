@@ -105,3 +105,41 @@ def test_a_ggufs_key_follows_the_file_and_the_dtype(tmp_path):
     os.utime(path, ns=(1, 1))  # replaced by another file of the same size
     assert gguf_key(path, torch.float32) != key
     json.dumps(key)  # a key is plain JSON: it compares equal after a round trip
+
+
+def test_a_ggufs_first_load_parses_it_once_and_leaves_the_gguf_package_as_it_was(monkeypatch, tmp_path):
+    """transformers reads a GGUF three times (config, tokenizer, weights) and builds gguf's name map once for each
+    module; inside one_gguf_read each file is parsed once and each map built once, and afterwards the package is
+    as it was, an error inside included."""
+    import gguf
+    import pytest
+
+    from verify_server.model_loader import one_gguf_read
+
+    parsed, built = [], []
+
+    def reader(path, mode="r"):
+        parsed.append((path, mode))
+        return object()
+
+    def name_map(arch, n_blocks):
+        built.append((arch, n_blocks))
+        return object()
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    with one_gguf_read():
+        first = gguf.GGUFReader(str(a))
+        assert gguf.GGUFReader(a) is first and gguf.GGUFReader(str(tmp_path / "." / "a.gguf")) is first
+        assert gguf.GGUFReader(str(b)) is not first
+        assert gguf.get_tensor_name_map(1, 30) is gguf.get_tensor_name_map(1, 30)
+        assert gguf.get_tensor_name_map(1, 31) is not gguf.get_tensor_name_map(1, 30)
+    assert len(parsed) == 2 and built == [(1, 30), (1, 31)]
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
+    with pytest.raises(RuntimeError), one_gguf_read():
+        raise RuntimeError("a failed load")
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
+    with one_gguf_read():  # a new block parses again
+        gguf.GGUFReader(str(a))
+    assert len(parsed) == 3
