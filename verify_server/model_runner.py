@@ -185,8 +185,16 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 # The fused step's threshold before calibrate_fused() runs, or where a runner is built without it.
 UNCALIBRATED_FUSED_MAX_TOKENS = 8
-# The sizes calibrate_fused() bisects, up to a loaded server's largest steps.
-CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What calibrate_fused() times: the sizes it bisects (up to a loaded server's largest steps), the pairs a size
+    and how many more rounds of them a loss gets before it is believed."""
+
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    repeats: int = 3
+    confirm: int = 2
 
 
 @dataclass(frozen=True)
@@ -292,12 +300,12 @@ class ModelRunner:
                 "linear": self.linear,
                 "fused_max_tokens": self.fused_max_tokens if self.fused is not None else 0}
 
-    def calibrate_fused(self, blocks: list[int], sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3,
-                        timer=None, confirm: int = 2, budget_s: float | None = None, clock=time.monotonic,
+    def calibrate_fused(self, blocks: list[int], plan: CalibrationPlan = CalibrationPlan(), timer=None,
+                        budget_s: float | None = None, clock=time.monotonic,
                         known: dict[int, float] | None = None) -> FusedCalibration:
-        """Set fused_max_tokens where the fused step stops beating PyTorch on this machine: the largest of `sizes`
-        at which one session's forward of that many tokens (positions from 0) is at least as fast fused, the two
-        timed alternately `repeats` times (best of each); `blocks` is the block table it writes into, long enough
+        """Set fused_max_tokens where the fused step stops beating PyTorch on this machine: the largest of the plan's
+        sizes at which one session's forward of that many tokens (positions from 0) is at least as fast fused, the
+        two timed alternately `repeats` times (best of each); `blocks` is the block table it writes into, long enough
         for the largest size. The fused step wins small steps and PyTorch's GEMMs large ones, so the sizes are
         bisected: a win rules in every smaller size, a loss every larger one. A size PyTorch seems to win is timed
         `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
@@ -314,11 +322,11 @@ class ModelRunner:
         while True:
             limit = min((n for n, r in ratios.items() if r > 1.0), default=float("inf"))
             best = max((n for n, r in ratios.items() if r <= 1.0 and n < limit), default=0)
-            open_ = [n for n in sizes if best < n < limit and n <= room]
+            open_ = [n for n in plan.sizes if best < n < limit and n <= room]
             if not open_:
                 break
             n = open_[len(open_) // 2]
-            ratio = self._fused_ratio(n, timer, repeats, confirm, late)
+            ratio = self._fused_ratio(n, timer, plan, late)
             if ratio is None:  # a size not timed in full does not count
                 cut = True
                 break
@@ -328,12 +336,12 @@ class ModelRunner:
         return FusedCalibration(self.fused_max_tokens, dict(sorted(ratios.items())), cut)
 
     @staticmethod
-    def _fused_ratio(n: int, timer, repeats: int, confirm: int, late) -> float | None:
-        """Fused / PyTorch at n tokens, best of each; a loss is timed again up to `confirm` times. None: `late()`
-        came first."""
+    def _fused_ratio(n: int, timer, plan: CalibrationPlan, late) -> float | None:
+        """Fused / PyTorch at n tokens, best of each; a loss is timed again up to `plan.confirm` times. None:
+        `late()` came first."""
         times = {True: [], False: []}
-        for _ in range(1 + confirm):
-            for _ in range(repeats):
+        for _ in range(1 + plan.confirm):
+            for _ in range(plan.repeats):
                 if late():
                     return None
                 for fused in (True, False):

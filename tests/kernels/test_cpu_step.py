@@ -12,7 +12,7 @@ import torch
 from kernels.attention import Segment
 from kernels.cpu_step import load_library
 from verify_server.kv_cache import KVCache, KVLayout
-from verify_server.model_runner import FusedCalibration, ModelInput, ModelRunner
+from verify_server.model_runner import CalibrationPlan, FusedCalibration, ModelInput, ModelRunner
 
 # No skip when the library cannot be built: `make test` needs a C compiler anyway (llama-cpp-python builds from
 # source), so a failed build here is a defect to see, and these tests fail with the compiler's message.
@@ -228,19 +228,19 @@ def test_calibration_sets_the_threshold_where_the_fused_step_stops_winning():
     fused, _ = _runners(model)
     cost = {1: (1, 2), 2: (2, 3), 4: (3, 4), 8: (5, 5), 12: (7, 6), 16: (9, 8)}  # n: (fused, PyTorch)
     seen = []
-    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(cost),
+    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan(tuple(cost)),
                                    timer=lambda n, f: seen.append((n, f)) or cost[n][not f]).ratios
     assert fused.fused_max_tokens == 8  # ties count as a win; 12 loses
     assert list(ratios) == [8, 12, 16] and ratios[12] == pytest.approx(7 / 6)
     assert [n for n, f in seen if f] == [8] * 3 + [16] * 9 + [12] * 9  # 1, 2 and 4 are never timed
     assert seen[:6] == [(8, True), (8, False)] * 3  # alternated, three times each
     # Every size wins, or every size loses: the search ends at the largest, or the smallest.
-    assert fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(cost),
+    assert fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan(tuple(cost)),
                                  timer=lambda n, f: 1.0 if f else 2.0).max_tokens == 16
-    assert fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(cost),
+    assert fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan(tuple(cost)),
                                  timer=lambda n, f: 2.0 if f else 1.0).max_tokens == 0
     # Measured for real (threshold within the sizes tried), the forwards it ran leave the runner as it was.
-    ratios = fused.calibrate_fused(list(fused.kv.tables[1]), sizes=(1, 2, 4, 8), repeats=1).ratios
+    ratios = fused.calibrate_fused(list(fused.kv.tables[1]), plan=CalibrationPlan((1, 2, 4, 8), repeats=1)).ratios
     assert set(ratios) <= {1, 2, 4, 8} and fused.fused_max_tokens in (0, *ratios)
 
 
@@ -258,19 +258,19 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
             return 20.0
         return 4.0 if f else 5.0
 
-    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=(1, 2, 4, 8, 12, 16), timer=blip).ratios
+    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan((1, 2, 4, 8, 12, 16)), timer=blip).ratios
     assert fused.fused_max_tokens == 16 and ratios[8] == pytest.approx(0.8)
     assert seen.count((8, True)) == seen.count((8, False)) == 6  # one more round of three pairs at 8
     assert seen.count((16, True)) == 3
 
     seen.clear()
     real_loss = {1: (1, 2), 2: (2, 3), 4: (5, 4), 8: (1, 9)}  # PyTorch wins at 4 every time; 8 is never tried
-    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(real_loss),
+    ratios = fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan(tuple(real_loss)),
                                    timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f]).ratios
     assert fused.fused_max_tokens == 2 and list(ratios) == [2, 4]
     assert seen.count((4, True)) == seen.count((4, False)) == 9  # three rounds of three pairs
     seen.clear()
-    fused.calibrate_fused(list(fused.kv.tables[0]), sizes=tuple(real_loss), confirm=0,
+    fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan(tuple(real_loss), confirm=0),
                           timer=lambda n, f: seen.append((n, f)) or real_loss[n][not f])
     assert fused.fused_max_tokens == 2
     assert seen.count((4, True)) == 3  # confirm=0: no re-timing
@@ -295,7 +295,7 @@ def test_a_calibration_past_its_time_bound_stops_keeps_a_safe_threshold_and_goes
     def calibrate(budget_s, **kw):
         now[0] = 0.0
         seen.clear()
-        return fused.calibrate_fused(list(fused.kv.tables[0]), sizes=sizes, timer=slow, budget_s=budget_s,
+        return fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan(sizes), timer=slow, budget_s=budget_s,
                                      clock=lambda: now[0], **kw)
 
     done = calibrate(3.0)  # 6 s a size: the first size is cut inside its pairs and does not count
@@ -324,8 +324,8 @@ def test_the_engine_measures_the_threshold_only_when_it_is_unset(target, tmp_pat
     measured = Engine(ServerConfig(max_sessions=2, max_seq_len=128, start_cache=False), target)
     calls = []
     real = measured.runner.calibrate_fused
-    measured.runner.calibrate_fused = lambda blocks, **kw: calls.append(blocks) or real(blocks, sizes=(1, 2),
-                                                                                        repeats=1, **kw)
+    measured.runner.calibrate_fused = lambda blocks, **kw: calls.append(blocks) or real(
+        blocks, plan=CalibrationPlan((1, 2), repeats=1), **kw)
     measured.warmup()
     assert len(calls) == 1 and measured.runner.fused_max_tokens in (0, 1, 2)
     assert measured.kv.blocks.num_free == measured.kv.num_blocks  # the warm-up's blocks are back
