@@ -16,7 +16,9 @@ the weights (the model keeps its own), which is the price of the switch.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,32 +44,57 @@ def linear_reference(weights: Sequence[torch.Tensor], biases: Sequence[torch.Ten
 PACK_ROWS = 64
 
 
-def linear_onednn(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> Linear:
+class PackedLinear:
     """One oneDNN matmul over the weights stacked and reordered once into oneDNN's blocked layout (CPU only).
 
     Uses the packed-weight ops that PyTorch's own compiler emits for frozen CPU models
-    (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`)."""
-    if any(w.device.type != "cpu" for w in weights):
-        raise ValueError(f"the onednn linear runs on CPU, not {weights[0].device}")
-    if not torch.backends.mkldnn.is_available():
-        raise ValueError("this torch build has no oneDNN (mkldnn)")
-    sizes = [w.shape[0] for w in weights]
-    with torch.no_grad():
-        stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(stacked, PACK_ROWS)
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
-                              for w, b in zip(weights, biases, strict=True)])
-    del stacked
+    (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`). Called, it runs that op; `traced` runs the same
+    packed weights through `sled::packed_linear`, one opaque op that a compiled graph holds as it is (inductor takes
+    no packed tensor as a graph input, and F.linear in its place lowers to MKL's matrix product, several times
+    slower for a few rows on this kind of machine)."""
 
-    def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return y.split(sizes, dim=-1) if len(sizes) > 1 else (y,)
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]):
+        if any(w.device.type != "cpu" for w in weights):
+            raise ValueError(f"the onednn linear runs on CPU, not {weights[0].device}")
+        if not torch.backends.mkldnn.is_available():
+            raise ValueError("this torch build has no oneDNN (mkldnn)")
+        self.sizes = [w.shape[0] for w in weights]
+        with torch.no_grad():
+            stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(stacked, PACK_ROWS)
+            self.bias = None
+            if any(b is not None for b in biases):
+                self.bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
+                                       for w, b in zip(weights, biases, strict=True)])
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = self
 
-    return project
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._split(torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], ""))
+
+    def traced(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._split(torch.ops.sled.packed_linear(x, self.handle))
+
+    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
 
 
+_HANDLES = itertools.count()
+_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()  # live ones, by handle
+
+
+@torch.library.custom_op("sled::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    w = _PACKED[handle]
+    return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(_PACKED[handle].sizes))
+
+
+linear_onednn = PackedLinear
 LINEAR: dict[str, Callable[..., Linear]] = {"reference": linear_reference, "onednn": linear_onednn}
 
 

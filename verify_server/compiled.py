@@ -46,8 +46,13 @@ class CompiledStep:
         long = dict(dtype=torch.long, device=runner.device)
         self.inputs = {b: (torch.zeros(b, **long), torch.zeros(b, **long), torch.full((b,), kv.scratch_row, **long),
                            torch.zeros(b, **long)) for b in self.buckets}
-        # Plain F.linear over the model's own weights: inductor chooses the matrix products itself.
-        self.proj, self.project_logits = runner.projections(linear_reference)
+        # On a CPU the runner's oneDNN-packed projections, through the op a graph holds (kernels.linear); elsewhere
+        # plain F.linear over the model's own weights, whose matrix products inductor chooses.
+        if runner.linear == "onednn":
+            self.proj = [tuple(p.traced for p in group) for group in runner.proj]
+            self.project_logits = runner.project_logits.traced
+        else:
+            self.proj, self.project_logits = runner.projections(linear_reference)
         # each layer's pool as an input of its own (a view made here): inductor's FlexAttention reads its input
         self.caches = [(kv.k[i], kv.v[i]) for i in range(kv.k.shape[0])]
         mode = "reduce-overhead" if runner.device.type == "cuda" else None  # CUDA graphs on CUDA

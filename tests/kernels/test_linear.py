@@ -45,3 +45,30 @@ def test_resolve_linear():
         resolve_linear("fast", cpu, torch.float32)
     with pytest.raises(ValueError, match="runs on CPU"):
         linear_onednn([torch.empty(4, 4, device="meta")], [None])
+
+
+def test_a_packed_projection_runs_inside_a_compiled_graph_as_it_runs_outside():
+    """The compiled step calls oneDNN's packed weights through one opaque op (inductor takes no packed tensor as a
+    graph input): whole-graph, the same outputs as the direct call, and a projection let go leaves no weights
+    behind in the op's table."""
+    import gc
+
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(5)
+    ws, bs = _weights(gen, [24, 8], 16, True)
+    packed = linear_onednn(ws, bs)
+    x = torch.randn(3, 16, generator=gen)
+    step = torch.compile(lambda x: [y * 2 for y in packed.traced(x)], fullgraph=True, dynamic=False)
+    got = step(x)
+    want = packed(x)
+    assert [g.shape for g in got] == [(3, 24), (3, 8)]
+    assert all(torch.allclose(g, 2 * w, atol=1e-5) for g, w in zip(got, want))
+    assert linear._PACKED[packed.handle] is packed
+
+    def let_go() -> int:
+        return linear_onednn(ws, bs).handle
+
+    handle = let_go()
+    gc.collect()
+    assert handle not in linear._PACKED and packed.handle in linear._PACKED
