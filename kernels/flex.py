@@ -44,11 +44,23 @@ def tree_positions(parents: list[int], first: int) -> list[int]:
     return [first + len(path) - 1 for path in _ancestors(parents)]
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """The KV pool as FlexAttention reads it: blocks (the scratch block included), positions a block, the longest
+    session, and where it lives."""
+
+    num_blocks: int
+    block_size: int
+    max_seq_len: int
+    device: torch.device | str
+
+
 class PagedFlex:
     """The buffers and the compiled kernel of one runner's FlexAttention over its pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_seq_len: int, device, q_block: int = 8,
-                 max_tokens: int = 2048, max_segments: int | None = None, max_tree: int = 64, compiled: bool = True):
+    def __init__(self, pool: PoolShape, q_block: int = 8, max_tokens: int = 2048, max_segments: int | None = None,
+                 max_tree: int = 64, compiled: bool = True):
+        num_blocks, block_size, max_seq_len, device = pool.num_blocks, pool.block_size, pool.max_seq_len, pool.device
         max_segments = max_segments or max_tokens  # a segment has at least one token
         self.block_size, self.q_block, self.num_blocks = block_size, q_block, num_blocks
         self.rows = num_blocks * block_size

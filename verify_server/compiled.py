@@ -19,7 +19,7 @@ from kernels.attention import Segment
 from kernels.flex import PagedFlex
 from kernels.linear import linear_reference
 
-from .model_runner import FLEX_BUCKETS, ModelInput, ModelRunner
+from .model_runner import FLEX_BUCKETS, LayerKernels, ModelInput, ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,7 @@ class CompiledStep:
         self.runner = runner
         kv = runner.kv
         self.buckets = buckets_for(max_tokens)
-        self.flex = PagedFlex(kv.num_blocks + 1, kv.block_size, kv.max_seq_len, runner.device,
-                              max_tokens=self.buckets[-1], compiled=False)
+        self.flex = PagedFlex(kv.pool_shape(), max_tokens=self.buckets[-1], compiled=False)
         kv.zero_blocks = True  # FlexAttention reads whole blocks
         long = dict(dtype=torch.long, device=runner.device)
         self.inputs = {b: (torch.zeros(b, **long), torch.zeros(b, **long), torch.full((b,), kv.scratch_row, **long),
@@ -70,7 +69,8 @@ class CompiledStep:
 
     def body(self, tokens, positions, rows, logit_rows, plans, caches):
         r = self.runner
-        h = r.layers_forward(r.embed_tokens(tokens), positions, rows, None, plans, self.attend, self.proj, caches)
+        h = r.layers_forward(r.embed_tokens(tokens), positions, rows, None, plans,
+                             LayerKernels(self.attend, self.proj, caches))
         return r.logits(h, logit_rows, self.project_logits)
 
     @staticmethod

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.flex import PoolShape
+
 from .errors import exhausted
 
 
@@ -179,6 +181,10 @@ class KVCache:
             size = num_blocks * block_size * layout.bytes_per_token()
             raise ValueError(f"the KV pool of {num_blocks * block_size} tokens ({size / 2**30:.1f} GiB) does not "
                              f"fit in {layout.device}'s memory: lower kv_cache_tokens") from None
+
+    def pool_shape(self) -> PoolShape:
+        """The pool as FlexAttention reads it (kernels.flex), the scratch block included."""
+        return PoolShape(self.num_blocks + 1, self.block_size, self.max_seq_len, self.k.device)
 
     def bytes_per_token(self) -> int:
         layers, heads, _, dim = self.k.shape

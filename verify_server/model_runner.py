@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +88,6 @@ def flex_length(n: int) -> int:
         if n <= size:
             return size
     return -(-n // FLEX_BUCKETS[-1]) * FLEX_BUCKETS[-1]
-
-
-def self_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _check_segments(inp: ModelInput) -> None:
@@ -187,6 +184,15 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 UNCALIBRATED_FUSED_MAX_TOKENS = 8
 
 
+class LayerKernels(NamedTuple):
+    """How layers_forward computes: attention(q, k_cache, v_cache, segments, scale, plan), each layer's projections
+    (as ModelRunner.proj) and each layer's (k, v) pool (None: views of the runner's KV pool)."""
+
+    attention: Callable
+    proj: list
+    caches: list | None = None
+
+
 @dataclass(frozen=True)
 class CalibrationPlan:
     """What calibrate_fused() times: the sizes it bisects (up to a loaded server's largest steps), the pairs a size
@@ -220,8 +226,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         if attention == "flex":  # one compiled FlexAttention call per layer, over the pool in place
-            self.flex = PagedFlex(kv.num_blocks + 1, kv.block_size, kv.max_seq_len, self_device(model),
-                                  max_tokens=max(FLEX_BUCKETS[-1], kv.max_seq_len))
+            self.flex = PagedFlex(kv.pool_shape(), max_tokens=max(FLEX_BUCKETS[-1], kv.max_seq_len))
             kv.zero_blocks = True
             self.prepare_attention = None
             self.attention = lambda q, k, v, segments, scale, plan: self.flex.attend(q, k, v, plan, scale)
@@ -442,18 +447,19 @@ class ModelRunner:
             plans = self.flex.plans(inp.segments, self.windows, flex_length(inp.token_ids.shape[0]))
         else:
             plans = {w: self.prepare_attention(inp.segments, self.device, groups, self.dtype, w) for w in self.windows}
-        h = self.layers_forward(h, positions, rows, inp.segments, plans, self.attention)
+        h = self.layers_forward(h, positions, rows, inp.segments, plans)
         if self.shard is not None and self.shard.rank:
             return None  # rank 0 alone samples
         return self.logits(h, inp.logit_rows.to(self.device))
 
     def layers_forward(self, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, segments, plans: dict,
-                       attention: Callable, proj=None, caches=None) -> torch.Tensor:
+                       kernels: LayerKernels | None = None) -> torch.Tensor:
         """Every layer over the embedded tokens h: each token's key and value written to its pool row, then
-        `attention` with the plan of its layer's window. Traceable whole (segments None) for the compiled step,
-        which brings its own projections (`proj`, as self.proj) and each layer's (k, v) pool as its own input
-        (`caches`)."""
-        n, norm, proj = h.shape[0], self.norm_fn, proj or self.proj
+        attention with the plan of its layer's window. Traceable whole (segments None) for the compiled step,
+        which brings its own kernels (attention, projections, each layer's (k, v) pool as its own input); by
+        default the runner's."""
+        attention, proj, caches = kernels or LayerKernels(self.attention, self.proj)
+        n, norm = h.shape[0], self.norm_fn
         cos = {name: table[positions].unsqueeze(1) for name, table in self.cos.items()}  # [num_tokens, 1, head_dim]
         sin = {name: table[positions].unsqueeze(1) for name, table in self.sin_signed.items()}
         for i, spec in enumerate(self.specs):

@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from kernels.attention import Segment, attention_reference
-from kernels.flex import PagedFlex, tree_positions
+from kernels.flex import PagedFlex, PoolShape, tree_positions
 
 BS, BLOCKS, LENGTH = 4, 40, 64  # the pool's blocks, and the query rows every call is padded to (one compile)
 
 
 @pytest.fixture(scope="module")
 def flex():
-    return PagedFlex(BLOCKS, BS, 64, "cpu", q_block=8, max_tokens=LENGTH)
+    return PagedFlex(PoolShape(BLOCKS, BS, 64, "cpu"), q_block=8, max_tokens=LENGTH)
 
 
 def batch(lengths, seed):
