@@ -314,13 +314,14 @@ class ModelRunner:
         for the largest size. The fused step wins small steps and PyTorch's GEMMs large ones, so the sizes are
         bisected: a win rules in every smaller size, a loss every larger one. A size PyTorch seems to win is timed
         `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
-        disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. Past
-        `budget_s` seconds (by `clock`) no further pair is timed: the threshold is then the largest win so far, at
+        disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. No pair is
+        begun that would end past `budget_s` seconds (by `clock`, as long as the size's last pair took): the
+        calibration is then cut, and the threshold is the largest win so far, at
         least UNCALIBRATED_FUSED_MAX_TOKENS below any loss, and the outcome is `cut`. `known`: the ratios of an
         earlier, cut calibration, not timed again. `timer(n, fused)`, for tests, replaces the measurement."""
         timer = timer or (lambda n, fused: self._time_forward(n, blocks, fused))
         deadline = clock() + budget_s if budget_s is not None else None
-        late = lambda: deadline is not None and clock() > deadline  # noqa: E731
+        late = lambda need: deadline is not None and clock() + need > deadline  # noqa: E731
         room = min(len(blocks) * self.kv.block_size, self.kv.max_seq_len)
         ratios = dict(known or {})
         cut = False
@@ -331,7 +332,7 @@ class ModelRunner:
             if not open_:
                 break
             n = open_[len(open_) // 2]
-            ratio = self._fused_ratio(n, timer, plan, late)
+            ratio = self._fused_ratio(n, timer, plan, late, clock)
             if ratio is None:  # a size not timed in full does not count
                 cut = True
                 break
@@ -341,16 +342,18 @@ class ModelRunner:
         return FusedCalibration(self.fused_max_tokens, dict(sorted(ratios.items())), cut)
 
     @staticmethod
-    def _fused_ratio(n: int, timer, plan: CalibrationPlan, late) -> float | None:
-        """Fused / PyTorch at n tokens, best of each; a loss is timed again up to `plan.confirm` times. None:
-        `late()` came first."""
-        times = {True: [], False: []}
+    def _fused_ratio(n: int, timer, plan: CalibrationPlan, late, clock) -> float | None:
+        """Fused / PyTorch at n tokens, best of each; a loss is timed again up to `plan.confirm` times. None: a
+        pair would have ended late (`late(seconds of the last pair)`)."""
+        times, pair_s = {True: [], False: []}, 0.0
         for _ in range(1 + plan.confirm):
             for _ in range(plan.repeats):
-                if late():
+                if late(pair_s):
                     return None
+                t0 = clock()
                 for fused in (True, False):
                     times[fused].append(timer(n, fused))
+                pair_s = clock() - t0
             ratio = min(times[True]) / min(times[False])
             if ratio <= 1.0:
                 break

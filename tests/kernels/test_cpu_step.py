@@ -277,9 +277,9 @@ def test_a_size_pytorch_seems_to_win_is_timed_again_before_the_calibration_stops
 
 
 def test_a_calibration_past_its_time_bound_stops_keeps_a_safe_threshold_and_goes_on_later():
-    """A loaded host times every size slowly: past budget_s no pair is timed, the threshold is the largest win so
-    far, at least the uncalibrated default below any loss, and the outcome says it was cut. A later calibration
-    given those ratios times only the sizes still open."""
+    """A loaded host times every size slowly: no pair is begun that would end past budget_s (as long as the size's
+    last pair took), the threshold is the largest win so far, at least the uncalibrated default below any loss,
+    and the outcome says it was cut. A later calibration given those ratios times only the sizes still open."""
     from verify_server.model_runner import UNCALIBRATED_FUSED_MAX_TOKENS
 
     model = _model(*SHAPES["head10-tails"])
@@ -287,7 +287,7 @@ def test_a_calibration_past_its_time_bound_stops_keeps_a_safe_threshold_and_goes
     now, seen = [0.0], []
     sizes = (1, 2, 4, 8, 12, 16, 24, 32)
 
-    def slow(n, f):  # every timing moves the clock by a second; the fused step wins up to 12 tokens
+    def slow(n, f):  # every timing moves the clock by a second (a pair, two); the fused step wins up to 12 tokens
         now[0] += 1.0
         seen.append(n)
         return (4.0 if f else 5.0) if n <= 12 else (5.0 if f else 4.0)
@@ -298,8 +298,8 @@ def test_a_calibration_past_its_time_bound_stops_keeps_a_safe_threshold_and_goes
         return fused.calibrate_fused(list(fused.kv.tables[0]), plan=CalibrationPlan(sizes), timer=slow, budget_s=budget_s,
                                      clock=lambda: now[0], **kw)
 
-    done = calibrate(3.0)  # 6 s a size: the first size is cut inside its pairs and does not count
-    assert done.cut and done.ratios == {} and now[0] == 4.0
+    done = calibrate(3.0)  # 6 s a size: cut inside the first, which does not count; no pair begun to end late
+    assert done.cut and done.ratios == {} and now[0] == 2.0
     assert done.max_tokens == fused.fused_max_tokens == UNCALIBRATED_FUSED_MAX_TOKENS
     done = calibrate(10.0)  # 12 wins; 24, which loses, is cut inside its re-timing
     assert done.cut and list(done.ratios) == [12] and done.max_tokens == 12
