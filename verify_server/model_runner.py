@@ -316,9 +316,9 @@ class ModelRunner:
         `repeats` times more, up to `confirm` times, before that is believed (the best of all its timings): one
         disturbed stretch of a busy host must not send a loaded server's larger steps through PyTorch. No pair is
         begun that would end past `budget_s` seconds (by `clock`, as long as the size's last pair took): the
-        calibration is then cut, and the threshold is the largest win so far, at
-        least UNCALIBRATED_FUSED_MAX_TOKENS below any loss, and the outcome is `cut`. `known`: the ratios of an
-        earlier, cut calibration, not timed again. `timer(n, fused)`, for tests, replaces the measurement."""
+        calibration is then `cut`, and the threshold is the largest win so far, at least
+        UNCALIBRATED_FUSED_MAX_TOKENS below any loss. `known`: the ratios of an earlier, cut calibration, not timed
+        again. `timer(n, fused)`, for tests, replaces the measurement."""
         timer = timer or (lambda n, fused: self._time_forward(n, blocks, fused))
         deadline = clock() + budget_s if budget_s is not None else None
         late = lambda need: deadline is not None and clock() + need > deadline  # noqa: E731
