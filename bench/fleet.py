@@ -8,12 +8,12 @@ fed what a device measures. A drafted token is accepted with a probability by it
 from the real pair: the llama.cpp drafter's proposals along the target's greedy text). A server-only device's
 session is decoded by the server, a token a step.
 
-The server runs one step at a time over what is waiting: the drafts that arrived (it waits at most its batching
-window for every session's draft), sessions it decodes itself, and prompt chunks (up to its token budget). A step
-costs a linear fit of this CPU's measured steps (`--calibrate`), or a roofline for a GPU and a target shape: the
-weights and every session's KV read once, or the FLOPs of the step's tokens, whichever takes longer, plus a launch
-and, in tensor parallel, two all-reduces a layer. Its KV pool bounds the sessions. Reported per count and mode: the
-same rows and capacity list as `sled-bench capacity` (system tok/s, p50/p95 TPOT, p95 TTFT, inter-token gaps).
+The server runs one step at a time over what is waiting: the drafts that arrived (it waits at most its batching window
+for every session's draft), sessions it decodes itself, and prompt chunks (up to its token budget). A step costs a fit
+of this CPU's measured steps (`--calibrate`: a floor, then a line in tokens), or a roofline for a GPU and a target
+shape: the weights and every session's KV read once, or the FLOPs of the step's tokens, whichever takes longer, plus a
+launch and, in tensor parallel, two all-reduces a layer. Its KV pool bounds the sessions. Reported per count and mode:
+the same rows and capacity list as `sled-bench capacity` (system tok/s, p50/p95 TPOT, p95 TTFT, inter-token gaps).
 """
 
 from __future__ import annotations
@@ -74,13 +74,19 @@ SHAPES = {
 
 @dataclass(frozen=True)
 class LinearCost:
-    """A step's seconds as fitted on a machine: fixed + per token + per session."""
+    """A step's seconds as fitted on a machine: the larger of a floor (reading the weights once, what a small step
+    costs) and fixed + per token (the arithmetic, once it dominates), plus per session."""
     fixed_s: float
     token_s: float
     session_s: float = 0.0
+    floor_s: float = 0.0
 
     def __call__(self, tokens: int, sessions: int, kv_tokens: int) -> float:
-        return self.fixed_s + self.token_s * tokens + self.session_s * sessions
+        return max(self.floor_s, self.fixed_s + self.token_s * tokens) + self.session_s * sessions
+
+    def scaled(self, factor: float) -> LinearCost:
+        return LinearCost(self.fixed_s * factor, self.token_s * factor, self.session_s * factor,
+                          self.floor_s * factor)
 
 
 @dataclass(frozen=True)
@@ -455,22 +461,39 @@ def capacity(devices: Devices, workload: Workload, server_for, slo: dict[str, fl
 
 
 def fit_cost(rows: list[dict]) -> LinearCost:
-    """fixed + per token (+ per session), non-negative least squares: over every step size the rows report
-    (server_step_sizes: tokens, steps, mean ms), each weighted by its steps; over the rows' mean steps where none
-    reports them."""
+    """Over every step size the rows report (server_step_sizes: tokens, steps, mean ms), each weighted by its steps:
+    a floor up to a knee and a non-negative line past it, the knee where the squared error is least (no knee: the
+    line alone). Over the rows' mean steps, fixed + per token + per session, where none reports sizes."""
     from scipy.optimize import nnls
 
     sizes = [s for r in rows for s in r.get("server_step_sizes") or ()]
     if sizes:
-        w = np.sqrt(np.array([n for _, n, _ in sizes]))
-        a = np.array([[1.0, t] for t, _, _ in sizes]) * w[:, None]
-        (fixed, token), _ = nnls(a, np.array([ms / 1000 for *_, ms in sizes]) * w)
-        return LinearCost(float(fixed), float(token))
+        t, n, ms = (np.array(c, dtype=float) for c in zip(*sizes))
+        y = ms / 1000
+        best: tuple[float, LinearCost] | None = None
+        for knee in [0.0, *sorted(set(t))[:-2]]:  # at least two sizes past the knee for the line
+            low, high = t <= knee, t > knee
+            floor = float(np.average(y[low], weights=n[low])) if low.any() else 0.0
+            w = np.sqrt(n[high])
+            (fixed, token), _ = nnls(np.stack([np.ones(high.sum()), t[high]], 1) * w[:, None], y[high] * w)
+            cost = LinearCost(float(fixed), float(token), 0.0, floor)
+            error = float(np.sum(n * (np.array([cost(x, 0, 0) for x in t]) - y) ** 2))
+            if best is None or error < best[0]:
+                best = (error, cost)
+        return best[1]
     use = [r for r in rows if r.get("server_step_ms")]
     a = np.array([[1.0, r["server_step_tokens"], r["server_batch_sessions"]] for r in use])
     b = np.array([r["server_step_ms"] / 1000 for r in use])
     (fixed, token, session), _ = nnls(a, b)
     return LinearCost(float(fixed), float(token), float(session))
+
+
+def speed_of(row: dict, cost: LinearCost) -> float:
+    """How slowly the host ran a row's steps against the fit (its steps' time over the fit's, weighted by steps; 1
+    where the row reports no sizes): a shared host's speed drifts between the counts of one run."""
+    sizes = row.get("server_step_sizes") or ()
+    fitted = sum(n * cost(t, 0, 0) * 1000 for t, n, _ in sizes)
+    return sum(n * ms for _, n, ms in sizes) / fitted if fitted else 1.0
 
 
 def fit_gap(rows: list[dict]) -> tuple[float, float]:
@@ -539,11 +562,11 @@ def report(args, drafting, cost: LinearCost, gap: tuple[float, float], accept, w
     from .report import machine
 
     worst = max(abs(e) for c in check for e in c["error"].values())
-    lines = ["| devices | mode | tok/s measured | modelled | error | p95 TPOT ms measured | modelled | error |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| devices | mode | steps / fit | tok/s measured | modelled | error | p95 TPOT ms measured | modelled | error |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in check:
         me, mo, er = c["measured"], c["modelled"], c["error"]
-        lines.append(f"| {c['devices']} | {c['mode']} | {me['system_tokens_per_s']:.0f} | "
+        lines.append(f"| {c['devices']} | {c['mode']} | {c['speed']:.2f}x | {me['system_tokens_per_s']:.0f} | "
                      f"{mo['system_tokens_per_s']:.0f} | {er['system_tokens_per_s']:+.1%} | {me['p95_tpot_ms']:.1f} | "
                      f"{mo['p95_tpot_ms']:.1f} | {er['p95_tpot_ms']:+.1%} |")
     scen = ["| server | devices (drafting ms/token) | p95 TPOT target | SLED devices | server-only devices | "
@@ -562,9 +585,13 @@ def report(args, drafting, cost: LinearCost, gap: tuple[float, float], accept, w
         f"real pair's drafts replayed at {drafting.ms_per_token:.2f} ms/token, prefill "
         f"{drafting.prefill_ms_per_token:.2f} ms a prompt token), and the model of each count beside it, with the "
         "step cost fitted on that run's steps by size: "
-        f"{cost.fixed_s * 1000:.2f} ms + {cost.token_s * 1000:.3f} ms a token + {cost.session_s * 1000:.3f} ms a "
-        f"session, and {gap[0] * 1000:.2f} ms + {gap[1] * 1000:.3f} ms a session of the host's between steps (what "
-        "server-only's steps leave of its windows); acceptance by position from the recorded drafts: " + ", ".join(f"{a:.3f}" for a in accept) + "\n"
+        + (f"the larger of {cost.floor_s * 1000:.2f} ms and " if cost.floor_s else "")
+        + f"{cost.fixed_s * 1000:.2f} ms + {cost.token_s * 1000:.3f} ms a token, "
+        f"+ {cost.session_s * 1000:.3f} ms a session, scaled at each count by its own steps' time over the fit's "
+        f"({min(c['speed'] for c in check):.2f}x to {max(c['speed'] for c in check):.2f}x: a shared host's speed "
+        f"drifts between the counts of a run), and {gap[0] * 1000:.2f} ms + {gap[1] * 1000:.3f} ms a session of "
+        "the host's between steps (what server-only's steps leave of its windows); acceptance by position from the "
+        "recorded drafts: " + ", ".join(f"{a:.3f}" for a in accept) + "\n"
         f"- the largest error is {worst:.1%}: the goal, at most {GOAL_ERROR:.0%}, is "
         f"{'met' if worst <= GOAL_ERROR else 'not met'}\n\n" + "\n".join(lines) + "\n\n"
         "Scenarios: the roofline of each server (weights and KV read once a step, or the step's FLOPs, whichever is "
@@ -607,11 +634,12 @@ def main(args) -> int:
     check = []
     for r in rows:
         n = r["devices"]
-        server = Server(cost, 10 ** 9, cargs.max_wait_ms / 1000, max(512, n * 10), n, *gap)
+        speed = speed_of(r, cost)
+        server = Server(cost.scaled(speed), 10 ** 9, cargs.max_wait_ms / 1000, max(512, n * 10), n, *gap)
         m = Fleet(r["mode"], n, here, workload, server).run(60.0, 5.0)
         err = {k: m[k] / r[k] - 1 for k in ("system_tokens_per_s", "p95_tpot_ms")}
-        check.append({"devices": n, "mode": r["mode"], "measured": {k: r[k] for k in err}, "modelled": {
-            k: m[k] for k in err}, "error": err})
+        check.append({"devices": n, "mode": r["mode"], "speed": speed, "measured": {k: r[k] for k in err},
+                      "modelled": {k: m[k] for k in err}, "error": err})
         print(f"[fleet] {n} {r['mode']}: measured {r['system_tokens_per_s']:.0f} tok/s, p95 TPOT "
               f"{r['p95_tpot_ms']:.1f} ms; modelled {m['system_tokens_per_s']:.0f} tok/s, {m['p95_tpot_ms']:.1f} ms",
               flush=True)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from bench.fleet import (GPUS, SHAPES, Devices, Fleet, LinearCost, Roofline, Server, Workload,
-                         acceptance_by_position, capacity, fit_cost, fit_gap)
+                         acceptance_by_position, capacity, fit_cost, fit_gap, speed_of)
 
 WORK = Workload(prompts=(40, 50), cached=20, tokens=32)
 
@@ -93,6 +93,27 @@ def test_the_fit_weighs_each_step_size_by_its_steps_where_the_rows_report_them()
     rows = [{"server_step_sizes": [[1, 50.0, 10.5], [5, 20.0, 12.5]]}, {"server_step_sizes": [[9, 5.0, 14.5]]}]
     fit = fit_cost(rows)
     assert (fit.fixed_s, fit.token_s) == pytest.approx((0.010, 0.0005), rel=1e-6)
+
+
+def test_the_fit_finds_a_floor_under_its_line_where_small_steps_cost_the_same():
+    # a CPU step: the weights' read (18 ms) until the arithmetic passes it, then 6 ms + 1.5 ms a token
+    truth = LinearCost(0.006, 0.0015, 0.0, 0.018)
+    sizes = [[t, n, truth(t, 0, 0) * 1000] for t, n in ((1, 400), (2, 300), (4, 500), (8, 200), (16, 90), (30, 20),
+                                                         (48, 8), (64, 5))]
+    fit = fit_cost([{"server_step_sizes": sizes}])
+    assert (fit.floor_s, fit.fixed_s, fit.token_s) == pytest.approx((0.018, 0.006, 0.0015), rel=1e-6)
+    # a line alone would put a one-token step far under its 18 ms
+    line = fit_cost([{"server_step_ms": ms, "server_step_tokens": t, "server_batch_sessions": 1}
+                     for t, _, ms in sizes])
+    assert line(1, 1, 0) < 0.9 * truth(1, 1, 0)
+
+
+def test_a_count_run_while_the_host_was_slower_gets_its_own_speed_against_the_fit():
+    fit = LinearCost(0.006, 0.0015, 0.0, 0.018)
+    slow = {"server_step_sizes": [[1, 30.0, 18 * 1.25], [40, 10.0, 66 * 1.25]]}  # every step 1.25x the fit's
+    assert speed_of(slow, fit) == pytest.approx(1.25)
+    assert speed_of({"server_step_sizes": []}, fit) == 1.0
+    assert fit.scaled(1.25)(40, 2, 0) == pytest.approx(1.25 * fit(40, 2, 0))
 
 
 @pytest.mark.parametrize("argv, says", [(["--slo-tpot-ms", "abc"], "comma-separated milliseconds"),
