@@ -2,15 +2,18 @@
 
 A step's tokens are padded to a bucket; tokens, positions, pool rows and logit rows sit in static buffers of the
 bucket's size, the padding tokens writing to the pool's scratch row; attention is FlexAttention over the pool with
-the step's BlockMask (kernels/flex.py), built on the host from the block tables. On CUDA the graph is captured as
+the step's BlockMask (kernels/flex.py), built on the host from the block tables. The graph ends at the final norm
+of the logit rows; the LM head then runs over the real ones alone. On CUDA the graph is captured as
 CUDA graphs (mode "reduce-overhead"); on the CPU inductor compiles it to C++. Each bucket compiles once (at
 warm-up); inductor's on-disk cache makes a restart's compile a load.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import weakref
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -23,6 +26,27 @@ from .model_runner import FLEX_BUCKETS, LayerKernels, ModelInput, ModelRunner
 
 log = logging.getLogger(__name__)
 
+_STEPS: weakref.WeakValueDictionary[int, CompiledStep] = weakref.WeakValueDictionary()  # live ones, by handle
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("sled::segment_attention", mutates_args=())
+def _segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, handle: int, window: int,
+                       scale: float) -> torch.Tensor:
+    """The runner's own attention over the step's segments (its plan, set by CompiledStep.forward), as one op of
+    the graph; the bucket's padding rows get zeros."""
+    step = _STEPS[handle]
+    segments, plans = step.segments, step.plans
+    n = segments[-1].start + segments[-1].length
+    out = q.new_zeros(q.shape)
+    out[:n] = step.runner.attention(q[:n], k_cache, v_cache, segments, scale, plans[None if window < 0 else window])
+    return out
+
+
+@_segment_attention.register_fake
+def _(q, k_cache, v_cache, handle, window, scale):
+    return torch.empty_like(q)
+
 
 def buckets_for(max_tokens: int) -> tuple[int, ...]:
     """The buckets a server whose steps hold at most max_tokens tokens compiles."""
@@ -34,12 +58,24 @@ def buckets_for(max_tokens: int) -> tuple[int, ...]:
 class CompiledStep:
     """runner's forward, compiled per bucket of token counts."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int):
+    def __init__(self, runner: ModelRunner, max_tokens: int, attention: str = "auto"):
+        """attention: "flex" (FlexAttention over the pool, in the graph), "segments" (the runner's own attention,
+        one op of the graph) or "auto": segments on a CPU, whose FlexAttention template runs a small step's
+        attention several times slower than the runner's batched matmuls (docs/architecture.md), flex elsewhere."""
         if runner.shard is not None and runner.shard.world > 1:
             raise ValueError("the compiled step does not run tensor parallel yet: compile off")
+        if attention not in ("auto", "flex", "segments"):
+            raise ValueError(f"attention is auto, flex or segments, not {attention!r}")
         self.runner = runner
         kv = runner.kv
         self.buckets = buckets_for(max_tokens)
+        if attention == "auto":
+            attention = "segments" if runner.device.type == "cpu" and runner.prepare_attention else "flex"
+        self.attention = attention
+        self.handle = next(_HANDLES)
+        _STEPS[self.handle] = self
+        self.segments: list[Segment] = []  # the step's, and its attention plans, while the graph runs
+        self.plans: dict = {}
         self.flex = PagedFlex(kv.pool_shape(), max_tokens=self.buckets[-1], compiled=False)
         kv.zero_blocks = True  # FlexAttention reads whole blocks
         long = dict(dtype=torch.long, device=runner.device)
@@ -49,9 +85,8 @@ class CompiledStep:
         # plain F.linear over the model's own weights, whose matrix products inductor chooses.
         if runner.linear == "onednn":
             self.proj = [tuple(p.traced for p in group) for group in runner.proj]
-            self.project_logits = runner.project_logits.traced
         else:
-            self.proj, self.project_logits = runner.projections(linear_reference)
+            self.proj = runner.projections(linear_reference)[0]
         # each layer's pool as an input of its own (a view made here): inductor's FlexAttention reads its input
         self.caches = [(kv.k[i], kv.v[i]) for i in range(kv.k.shape[0])]
         mode = "reduce-overhead" if runner.device.type == "cuda" else None  # CUDA graphs on CUDA
@@ -69,9 +104,24 @@ class CompiledStep:
 
     def body(self, tokens, positions, rows, logit_rows, plans, caches):
         r = self.runner
+        attend = self.attend if self.attention == "flex" else self.attend_segments
         h = r.layers_forward(r.embed_tokens(tokens), positions, rows, None, plans,
-                             LayerKernels(self.attend, self.proj, caches))
-        return r.logits(h, logit_rows, self.project_logits)
+                             LayerKernels(attend, self.proj, caches))
+        return r.final_norm(h, logit_rows)
+
+    def attention_plans(self, segments: list[Segment], size: int) -> dict:
+        """The graph's `plans` for a step: each window's BlockMask (flex), or each window's number, the step's own
+        plans kept here for the op to read (segments)."""
+        run = self.runner
+        if self.attention == "flex":
+            return {w: p.block_mask for w, p in self.flex.plans(segments, run.windows, size).items()}
+        self.segments = segments
+        self.plans = {w: run.prepare_attention(segments, run.device, run.num_heads // run.num_kv_heads, run.dtype, w)
+                      for w in run.windows}
+        return {w: -1 if w is None else w for w in run.windows}
+
+    def attend_segments(self, q, k_cache, v_cache, segments, scale, window):
+        return _segment_attention(q, k_cache, v_cache, self.handle, window, scale)
 
     @staticmethod
     def attend(q, k_cache, v_cache, segments, scale, block_mask):
@@ -94,11 +144,15 @@ class CompiledStep:
         rows[n:] = self.runner.kv.scratch_row
         logit_rows[:r] = inp.logit_rows
         logit_rows[r:] = 0
-        flex_plans = self.flex.plans(inp.segments, self.runner.windows, size)
-        logits = self.fn(tokens, positions, rows, logit_rows, {w: p.block_mask for w, p in flex_plans.items()},
-                         self.caches)
+        try:
+            normed = self.fn(tokens, positions, rows, logit_rows, self.attention_plans(inp.segments, size),
+                             self.caches)
+        finally:
+            self.segments, self.plans = [], {}
         self.compiled.add(size)
-        return logits[:r]
+        # The LM head, the step's largest matrix, over the logit rows alone, outside the graph: inside, it would
+        # run at every row of the bucket.
+        return self.runner.head(normed[:r])
 
     def warmup(self, blocks: list[int], progress=log.info) -> dict[int, float]:
         """Compile every bucket, one placeholder step each (segments of up to what `blocks` hold, all over them);

@@ -81,8 +81,9 @@ class ServerConfig:
     # The whole forward in one C call for batches of up to fused_max_tokens tokens (float32 on CPU, built at first
     # use with the system C compiler): auto (where it builds, else PyTorch) | on (it or an error) | off.
     fused: str = "auto"
-    # The step compiled whole (verify_server/compiled.py): its tokens padded to a few buckets, FlexAttention over the
-    # pool, under torch.compile (CUDA graphs on CUDA, inductor's C++ on the CPU), every bucket compiled at start.
+    # The step compiled whole (verify_server/compiled.py): its tokens padded to a few buckets, under torch.compile
+    # (CUDA graphs on CUDA, inductor's C++ on the CPU), every bucket compiled at start; attention is FlexAttention
+    # over the pool on CUDA and the runner's per-segment kernel, as one op of the graph, on the CPU.
     # auto: on CUDA; off on the CPU, where compiling every bucket takes minutes on a small host. Steps the fused CPU
     # step takes stay with it.
     compile: str = "auto"

@@ -301,7 +301,8 @@ class ModelRunner:
         """How this runner computes: device, dtype, attention and linear kernels, and the largest step (in tokens)
         the fused CPU step takes, 0 where it is not used. The server's Info carries it."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "attention": "flex, compiled" if self.compiled is not None else self.attention_name,
+                "attention": (f"{self.compiled.attention}, compiled" if self.compiled is not None
+                              else self.attention_name),
                 "linear": self.linear,
                 "fused_max_tokens": self.fused_max_tokens if self.fused is not None else 0}
 
@@ -490,7 +491,14 @@ class ModelRunner:
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor, project=None) -> torch.Tensor:
         """The float32 logits of the hidden states at `rows`."""
-        logits = (project or self.project_logits)(self.norm_fn(h[rows], self.norm, self.eps))[0].float()
+        return self.head(self.final_norm(h, rows), project)
+
+    def final_norm(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.norm_fn(h[rows], self.norm, self.eps)
+
+    def head(self, normed: torch.Tensor, project=None) -> torch.Tensor:
+        """The float32 logits of final-normed hidden states."""
+        logits = (project or self.project_logits)(normed)[0].float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

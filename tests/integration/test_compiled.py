@@ -1,6 +1,7 @@
 """The step compiled whole (verify_server/compiled.py), on the CPU: no graph break, no recompile after warm-up, and
 greedy tokens equal to transformers' (so to the eager path's) for the five families, in every bucket, through
-drafts rejected across a block boundary and accepted past it again."""
+drafts rejected across a block boundary and accepted past it again; with FlexAttention in the graph (CUDA's
+attention) for Llama too."""
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ PROMPTS = [[1, 504, 3458, 314, 1345, 30, 1073, 2117, 7050, 28, 2683, 359, 253, 5
             4172, 30, 378], [1, 2683, 359, 253, 5356, 5646, 11, 288, 260]]
 
 
-def engine_of(target):
+def engine_of(target, attention: str = "auto"):
+    from verify_server.compiled import CompiledStep
     from verify_server.config import ServerConfig
     from verify_server.engine import Engine
 
@@ -48,8 +50,26 @@ def engine_of(target):
     config = ServerConfig(max_sessions=4, max_seq_len=128, kv_block_size=4, max_batch_tokens=16, max_draft_tokens=7,
                           prefix_cache_tokens=0, fused="off", compile="on")
     engine = Engine(config, target)
+    if attention != "auto":
+        engine.runner.compiled = CompiledStep(engine.runner, config.max_batch_tokens, attention)
     engine.warmup()
     return engine
+
+
+@pytest.fixture(scope="module")
+def flex_engine(tmp_path_factory):
+    """A Llama engine whose compiled step calls FlexAttention in its graph, as on CUDA (the CPU's auto calls the
+    runner's per-segment attention)."""
+    from verify_server.model_loader import load_target
+
+    folder = tmp_path_factory.mktemp("llama-flex")
+    FAMILIES["llama"] = dict(rope_theta=10000.0)
+    try:
+        build_folder("llama", folder)
+    finally:
+        del FAMILIES["llama"]
+    target = load_target(folder, torch.device("cpu"), torch.float32)
+    return target, engine_of(target, "flex")
 
 
 def rounds_match(engine, want: list[list[int]], label: str) -> None:
@@ -100,6 +120,12 @@ def test_compiled_greedy_tokens_of_the_smollm2_target_are_transformers(target, r
     rounds_match(engine_of(target), want, "SmolLM2")
 
 
+def test_compiled_flex_greedy_tokens_are_transformers_in_every_bucket_without_a_recompile(flex_engine):
+    target, engine = flex_engine
+    assert engine.runner.compiled.attention == "flex"
+    rounds_match(engine, [reference(target, p, 40) for p in PROMPTS], "llama, flex")
+
+
 def test_a_step_past_the_largest_bucket_runs_eager(engine):
     """A calibration's forward of more tokens than any bucket holds goes through the eager path, not a new
     compile (the scheduler itself never builds one)."""
@@ -126,19 +152,28 @@ def test_a_step_past_the_largest_bucket_runs_eager(engine):
     assert not calls and torch.equal(got, want)
 
 
-def test_the_compiled_step_traces_whole(engine):
+def traces_whole(engine) -> None:
     from kernels.attention import Segment
     from verify_server.model_runner import ModelInput
 
-    # after the test above: explain() traces body's code again, with a backend of its own, which a later call of
-    # the compiled step takes for a recompile
     step = engine.runner.compiled
     assert step.buckets == (8, 16) and step.compiled == {8, 16}  # both compiled at warm-up
     blocks = engine.kv.blocks.allocate(2)
     inp = ModelInput.build([5, 6, 7], [Segment(tuple(blocks), 0, 3, 3, 4)], [0, 1, 2])
     tokens, positions, rows, logit_rows = step.inputs[8]
-    plans = {w: p.block_mask for w, p in step.flex.plans(inp.segments, engine.runner.windows, 8).items()}
+    plans = step.attention_plans(inp.segments, 8)
+    # explain() resets dynamo's caches and traces body's code again: a later call of any compiled step recompiles,
+    # so each engine's test of it comes after the others that use the engine
     with torch.inference_mode():
         explained = torch._dynamo.explain(step.body)(tokens, positions, rows, logit_rows, plans, step.caches)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     engine.kv.blocks.free(blocks)
+
+
+def test_the_compiled_step_traces_whole(engine):
+    assert engine.runner.compiled.attention == "segments"  # auto on a CPU: the runner's attention, one op
+    traces_whole(engine)
+
+
+def test_the_flex_compiled_step_traces_whole(flex_engine):
+    traces_whole(flex_engine[1])
