@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capacity experiments: and this much more per token in the step; with a small random target "
                         "and --min-step-ms, a GPU's step profile on a CPU (default 0)")
     p.add_argument("--compile", choices=["auto", "on", "off"],
-                   help="compile the whole step at a few padded sizes, FlexAttention over the KV pool, every size at "
-                        f"start: auto (on CUDA only), on or off (default {d.compile})")
+                   help="compile the whole step at a few padded sizes, every size at start (CUDA graphs with "
+                        "FlexAttention over the KV pool on CUDA, the per-segment attention as one op on a CPU): auto "
+                        f"(on CUDA only), on or off (default {d.compile})")
     p.add_argument("--attention", choices=["sdpa", "segments", "flex", "reference"], default="sdpa",
                    help="attention kernel: sdpa (on CUDA the short segments of a step in one padded call per layer; on "
                         "CPU one call per segment, short ones as two batched matmuls), segments (one call per segment "
