@@ -66,7 +66,7 @@ class PackedLinear:
             if any(b is not None for b in biases):
                 self.bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
                                        for w, b in zip(weights, biases, strict=True)])
-        self.handle = next(_HANDLES)
+        self.handle = f"linear-{next(_HANDLES)}"  # a string: dynamo would make an int that varies symbolic
         _PACKED[self.handle] = self
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,17 +80,17 @@ class PackedLinear:
 
 
 _HANDLES = itertools.count()
-_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()  # live ones, by handle
+_PACKED: weakref.WeakValueDictionary[str, PackedLinear] = weakref.WeakValueDictionary()  # live ones, by handle
 
 
 @torch.library.custom_op("sled::packed_linear", mutates_args=())
-def _packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, handle: str) -> torch.Tensor:
     w = _PACKED[handle]
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
 
 
 @_packed_linear.register_fake
-def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+def _(x: torch.Tensor, handle: str) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], sum(_PACKED[handle].sizes))
 
 

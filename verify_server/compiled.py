@@ -1,11 +1,14 @@
-"""The step compiled whole: the runner's forward under torch.compile(fullgraph=True) at static shapes.
+"""The step compiled whole: the runner's forward under torch.compile(fullgraph=True).
 
 A step's tokens are padded to a bucket; tokens, positions, pool rows and logit rows sit in static buffers of the
-bucket's size, the padding tokens writing to the pool's scratch row; attention is FlexAttention over the pool with
-the step's BlockMask (kernels/flex.py), built on the host from the block tables. The graph ends at the final norm
-of the logit rows; the LM head then runs over the real ones alone. On CUDA the graph is captured as
-CUDA graphs (mode "reduce-overhead"); on the CPU inductor compiles it to C++. Each bucket compiles once (at
-warm-up); inductor's on-disk cache makes a restart's compile a load.
+bucket's size, the padding tokens writing to the pool's scratch row. The graph ends at the final norm of the logit
+rows; the LM head then runs over the real ones alone.
+
+On CUDA, attention is FlexAttention over the pool with the step's BlockMask (kernels/flex.py, built on the host from
+the block tables), each of a few buckets is a graph of static shapes, captured as CUDA graphs (mode
+"reduce-overhead"). On a CPU, attention is the runner's own per-segment kernel as one op of the graph, and one graph
+whose token count is symbolic serves vLLM's fine buckets (inductor's C++). Graphs compile at warm-up; inductor's
+on-disk cache makes a restart's compile a load.
 """
 
 from __future__ import annotations
@@ -26,33 +29,40 @@ from .model_runner import FLEX_BUCKETS, LayerKernels, ModelInput, ModelRunner
 
 log = logging.getLogger(__name__)
 
-_STEPS: weakref.WeakValueDictionary[int, CompiledStep] = weakref.WeakValueDictionary()  # live ones, by handle
+# Live steps by handle. Handles and plan names are strings: an int argument that differs between two steps'
+# graphs would be made symbolic by dynamo's automatic dynamic shapes, and the op needs its value.
+_STEPS: weakref.WeakValueDictionary[str, CompiledStep] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
 
 @torch.library.custom_op("sled::segment_attention", mutates_args=())
-def _segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, handle: int, window: int,
+def _segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, handle: str, plan: str,
                        scale: float) -> torch.Tensor:
-    """The runner's own attention over the step's segments (its plan, set by CompiledStep.forward), as one op of
-    the graph; the bucket's padding rows get zeros."""
+    """The runner's own attention over the step's segments with its plan named `plan` (set by
+    CompiledStep.attention_plans), as one op of the graph; the bucket's padding rows get zeros."""
     step = _STEPS[handle]
-    segments, plans = step.segments, step.plans
+    segments = step.segments
     n = segments[-1].start + segments[-1].length
     out = q.new_zeros(q.shape)
-    out[:n] = step.runner.attention(q[:n], k_cache, v_cache, segments, scale, plans[None if window < 0 else window])
+    out[:n] = step.runner.attention(q[:n], k_cache, v_cache, segments, scale, step.plans[plan])
     return out
 
 
 @_segment_attention.register_fake
-def _(q, k_cache, v_cache, handle, window, scale):
+def _(q, k_cache, v_cache, handle, plan, scale):
     return torch.empty_like(q)
 
 
-def buckets_for(max_tokens: int) -> tuple[int, ...]:
-    """The buckets a server whose steps hold at most max_tokens tokens compiles."""
-    out = [b for b in FLEX_BUCKETS if b < max_tokens]
-    last = next((b for b in FLEX_BUCKETS if b >= max_tokens), None)
-    return tuple(out + [last if last is not None else -(-max_tokens // FLEX_BUCKETS[-1]) * FLEX_BUCKETS[-1]])
+# vLLM's CUDA-graph capture sizes: 1, 2, 4, then every 8 tokens up to 256 and every 16 past it. One graph whose
+# token count is symbolic serves them all, so their number costs no compile.
+FINE_BUCKETS = (1, 2, 4, *range(8, 256, 8), *range(256, 4097, 16))
+
+
+def buckets_for(max_tokens: int, sizes: tuple[int, ...] = FLEX_BUCKETS) -> tuple[int, ...]:
+    """The buckets a server whose steps hold at most max_tokens tokens compiles, from `sizes`."""
+    out = [b for b in sizes if b < max_tokens]
+    last = next((b for b in sizes if b >= max_tokens), None)
+    return tuple(out + [last if last is not None else -(-max_tokens // sizes[-1]) * sizes[-1]])
 
 
 class CompiledStep:
@@ -68,11 +78,15 @@ class CompiledStep:
             raise ValueError(f"attention is auto, flex or segments, not {attention!r}")
         self.runner = runner
         kv = runner.kv
-        self.buckets = buckets_for(max_tokens)
         if attention == "auto":
             attention = "segments" if runner.device.type == "cpu" and runner.prepare_attention else "flex"
         self.attention = attention
-        self.handle = next(_HANDLES)
+        # FlexAttention's BlockMask is built for one query length: a graph a bucket, few buckets. The segments op
+        # takes any length: one graph with a symbolic token count (and one for a single token, which dynamo
+        # specializes) serves vLLM's fine buckets.
+        self.dynamic = attention == "segments"
+        self.buckets = buckets_for(max_tokens, FINE_BUCKETS if self.dynamic else FLEX_BUCKETS)
+        self.handle = f"step-{next(_HANDLES)}"
         _STEPS[self.handle] = self
         self.segments: list[Segment] = []  # the step's, and its attention plans, while the graph runs
         self.plans: dict = {}
@@ -81,6 +95,10 @@ class CompiledStep:
         long = dict(dtype=torch.long, device=runner.device)
         self.inputs = {b: (torch.zeros(b, **long), torch.zeros(b, **long), torch.full((b,), kv.scratch_row, **long),
                            torch.zeros(b, **long)) for b in self.buckets}
+        if self.dynamic:
+            for b in self.buckets:
+                for t in self.inputs[b] if b > 1 else ():
+                    torch._dynamo.mark_dynamic(t, 0)
         # On a CPU the runner's oneDNN-packed projections, through the op a graph holds (kernels.linear); elsewhere
         # plain F.linear over the model's own weights, whose matrix products inductor chooses.
         if runner.linear == "onednn":
@@ -93,7 +111,7 @@ class CompiledStep:
         # Each bucket (and each step object of the process) is one more graph of the same function: past dynamo's
         # default of 8 it would stop compiling (and fail, fullgraph) rather than serve the eleventh bucket.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
-        self.fn = torch.compile(self.body, fullgraph=True, dynamic=False, mode=mode)
+        self.fn = torch.compile(self.body, fullgraph=True, dynamic=None if self.dynamic else False, mode=mode)
         self.compiled: set[int] = set()
 
     def bucket(self, n: int) -> int:
@@ -110,18 +128,18 @@ class CompiledStep:
         return r.final_norm(h, logit_rows)
 
     def attention_plans(self, segments: list[Segment], size: int) -> dict:
-        """The graph's `plans` for a step: each window's BlockMask (flex), or each window's number, the step's own
+        """The graph's `plans` for a step: each window's BlockMask (flex), or each window's plan name, the step's own
         plans kept here for the op to read (segments)."""
         run = self.runner
         if self.attention == "flex":
             return {w: p.block_mask for w, p in self.flex.plans(segments, run.windows, size).items()}
         self.segments = segments
-        self.plans = {w: run.prepare_attention(segments, run.device, run.num_heads // run.num_kv_heads, run.dtype, w)
-                      for w in run.windows}
-        return {w: -1 if w is None else w for w in run.windows}
+        self.plans = {str(w): run.prepare_attention(segments, run.device, run.num_heads // run.num_kv_heads,
+                                                    run.dtype, w) for w in run.windows}
+        return {w: str(w) for w in run.windows}
 
-    def attend_segments(self, q, k_cache, v_cache, segments, scale, window):
-        return _segment_attention(q, k_cache, v_cache, self.handle, window, scale)
+    def attend_segments(self, q, k_cache, v_cache, segments, scale, plan):
+        return _segment_attention(q, k_cache, v_cache, self.handle, plan, scale)
 
     @staticmethod
     def attend(q, k_cache, v_cache, segments, scale, block_mask):
@@ -155,13 +173,15 @@ class CompiledStep:
         return self.runner.head(normed[:r])
 
     def warmup(self, blocks: list[int], progress=log.info) -> dict[int, float]:
-        """Compile every bucket, one placeholder step each (segments of up to what `blocks` hold, all over them);
-        seconds per bucket."""
+        """Compile every graph, one placeholder step each (segments of up to what `blocks` hold, all over them):
+        every bucket's, or with a symbolic token count the single token's, the smallest bucket past it and the
+        largest; seconds per bucket."""
         bs = self.runner.kv.block_size
         room = min(len(blocks) * bs, self.runner.kv.max_seq_len)
         table = tuple(blocks)
         took = {}
-        for size in self.buckets:
+        sizes = sorted({*self.buckets[:2], self.buckets[-1]}) if self.dynamic else self.buckets
+        for size in sizes:
             segments, start = [], 0
             while start < size:
                 n = min(room, size - start)
@@ -170,6 +190,7 @@ class CompiledStep:
             t0 = time.monotonic()
             self.forward(ModelInput.build([1] * size, segments, list(range(size))))
             took[size] = time.monotonic() - t0
-            progress("compiled the step for %d tokens in %.1fs (%d of %d buckets)", size, took[size],
-                     len(took), len(self.buckets))
+            progress("compiled the step for %d tokens in %.1fs (%d of %d%s)", size, took[size], len(took), len(sizes),
+                     f"; one graph serves {self.buckets[1]} to {self.buckets[-1]} tokens" if self.dynamic
+                     else " buckets")
         return took
