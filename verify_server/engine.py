@@ -245,7 +245,10 @@ class Engine:
         return {"machine": machine_id(), "target": self.target.name,
                 "shape": hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16],
                 "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "linear": runner.linear, "attention": runner.attention_name, "max_seq_len": self.kv.max_seq_len,
+                "linear": runner.linear, "attention": runner.attention_name,
+                # the fused step's threshold is measured against the other path: the compiled step where it is on
+                "compiled": runner.compiled.attention if runner.compiled is not None else "",
+                "max_seq_len": self.kv.max_seq_len,
                 "kv_block_size": self.kv.block_size,
                 "fused_build": runner.fused.build if runner.fused is not None else ""}
 

@@ -471,3 +471,21 @@ def test_a_cut_calibration_is_kept_and_the_next_start_goes_on_from_it(target, tm
     assert start().runner.fused_max_tokens == 8 and calls == [{}]
     assert start().runner.fused_max_tokens == 64 and calls == [{}, {32: 0.7}]  # went on from the first's ratios
     assert start().runner.fused_max_tokens == 64 and len(calls) == 2  # complete: kept, not measured again
+
+
+@pytest.mark.model
+def test_a_threshold_measured_against_eager_is_not_kept_for_a_compiled_step(target, tmp_path):
+    """The fused step's crossover depends on what it is measured against: the start cache keys it by the compiled
+    step too, so turning `compile` on measures it again."""
+    import types
+
+    from verify_server.config import ServerConfig
+    from verify_server.engine import Engine
+
+    engine = Engine(ServerConfig(max_sessions=2, max_seq_len=128, start_cache_dir=str(tmp_path)), target)
+    eager = engine.start_key()
+    engine.runner.compiled = types.SimpleNamespace(attention="segments")
+    try:
+        assert engine.start_key() != eager and engine.start_key()["compiled"] == "segments"
+    finally:
+        engine.runner.compiled = None
