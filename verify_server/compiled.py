@@ -90,8 +90,10 @@ class CompiledStep:
         _STEPS[self.handle] = self
         self.segments: list[Segment] = []  # the step's, and its attention plans, while the graph runs
         self.plans: dict = {}
-        self.flex = PagedFlex(kv.pool_shape(), max_tokens=self.buckets[-1], compiled=False)
-        kv.zero_blocks = True  # FlexAttention reads whole blocks
+        self.flex = None
+        if attention == "flex":
+            self.flex = PagedFlex(kv.pool_shape(), max_tokens=self.buckets[-1], compiled=False)
+            kv.zero_blocks = True  # FlexAttention reads whole blocks
         long = dict(dtype=torch.long, device=runner.device)
         self.inputs = {b: (torch.zeros(b, **long), torch.zeros(b, **long), torch.full((b,), kv.scratch_row, **long),
                            torch.zeros(b, **long)) for b in self.buckets}
