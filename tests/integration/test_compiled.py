@@ -14,12 +14,10 @@ pytestmark = pytest.mark.model
 KINDS = ["llama", "qwen2"] + list(FAMILIES)
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def family(request, tmp_path_factory):
+def tiny_target(kind: str, folder):
+    """A tiny random target of the family, built in `folder` and loaded."""
     from verify_server.model_loader import load_target
 
-    kind = request.param
-    folder = tmp_path_factory.mktemp(kind)
     if kind in FAMILIES:
         build_folder(kind, folder)
     else:
@@ -28,7 +26,13 @@ def family(request, tmp_path_factory):
             build_folder(kind, folder)
         finally:
             del FAMILIES[kind]
-    return kind, load_target(folder, torch.device("cpu"), torch.float32)
+    return load_target(folder, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def family(request, tmp_path_factory):
+    kind = request.param
+    return kind, tiny_target(kind, tmp_path_factory.mktemp(kind))
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +64,7 @@ def engine_of(target, attention: str = "auto"):
 def flex_engine(tmp_path_factory):
     """A Llama engine whose compiled step calls FlexAttention in its graph, as on CUDA (the CPU's auto calls the
     runner's per-segment attention)."""
-    from verify_server.model_loader import load_target
-
-    folder = tmp_path_factory.mktemp("llama-flex")
-    FAMILIES["llama"] = dict(rope_theta=10000.0)
-    try:
-        build_folder("llama", folder)
-    finally:
-        del FAMILIES["llama"]
-    target = load_target(folder, torch.device("cpu"), torch.float32)
+    target = tiny_target("llama", tmp_path_factory.mktemp("llama-flex"))
     return target, engine_of(target, "flex")
 
 
