@@ -265,7 +265,9 @@ class Fleet:
             resume, progress = now - progress * r.draft_s, 0.0
         ctrl = dev.rules.controller
         ctrl_sample = RoundSample(k, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server, r.draft_s,
-                                  dev.sessions, None, dev.step, dev.queue, dev.at_once_now)
+                                  dev.sessions, None, dev.step, dev.queue, dev.at_once_now,
+                                  committed=min(accepted + 1, self.w.tokens - dev.done),
+                                  cycle_s=now - dev.commits[-1] if dev.commits else None)
         dev.rules.verdict_came()
         ctrl.observe(ctrl_sample)
         if self.commit(d, now, accepted + 1):

@@ -80,6 +80,7 @@ class _Device:
     # the same tokens whether drafted now or ahead, until a verdict corrects the text.
     upcoming: list[tuple[float, bool]] = field(default_factory=list)
     sure: tuple[float, ...] | None = None  # the confidence of each token in the draft out now
+    last: float | None = None  # when its last verdict came
 
     @property
     def ctrl(self) -> DraftLength:
@@ -230,7 +231,8 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
 
             def sample() -> RoundSample:  # what the device's controller learns from this round
                 return RoundSample(kk, accepted, dev.sent - dev.round_start, now - dev.sent, dev.server, r.draft_s,
-                                   dev.sessions, dev.sure, dev.step, dev.queue, dev.prompt)
+                                   dev.sessions, dev.sure, dev.step, dev.queue, dev.prompt, committed=accepted + 1,
+                                   cycle_s=None if dev.last is None else now - dev.last)
 
             # The device's own rules decide (edge_client.round.RoundRules): whether this verdict is answered at once,
             # from the rounds before it; then, with this round learnt, how.
@@ -238,6 +240,7 @@ def simulate(regime: Regime, devices: int, k: int | None, seconds: float = 30.0,
             # Without confidence: whether the verdict's bonus token is the drafter's own next one (a hit).
             guessed = r.confidence is None and accepted == kk and dev.rng.random() < r.match
             dev.ctrl.observe(sample())
+            dev.last = now
             if ahead:
                 made = int(progress)
                 busy = made < k_max + 1  # the drafter is on a token drafted ahead when the verdict comes

@@ -7,6 +7,9 @@ device's drafting time per token, c what one more token of K costs the step it r
 cost times the sessions in the step, times the round trip's steps where the server queues the drafts). Drafting
 ahead changes how much of the drafting the round trip hides. A device keeps one controller across its requests.
 
+A device that has the server to itself also measures the model's way against fixed K finished each round, and plays
+what commits the most a second (DraftModes): the model leaves out costs that only the rounds' own time shows.
+
 Optionally (confidence_stop) a draft ends within K at a token the drafter is too unsure of, priced against what one
 committed token costs at this K (DraftStop). The model, its terms and the measurements behind them:
 docs/device.md, "How long a draft is".
@@ -39,6 +42,10 @@ class RoundSample:
     # the device's own time from the verdict before to this draft going out, less the drafting it waited for: what a
     # round costs the device whatever it drafts (None: a session's first round, or not measured)
     device_s: float | None = None
+    committed: int = 0  # tokens the verdict committed: the accepted ones and its own
+    # the time from the verdict before to this one: the round as the device lives it, everything the model leaves out
+    # included (None: a session's first round, or not measured)
+    cycle_s: float | None = None
 
 
 # Confidence bins, by their upper edges: [0, 0.1), [0.1, 0.2), ... [0.9, 0.95), [0.95, 1].
@@ -123,6 +130,110 @@ class RoundCost:
         return now >= finished
 
 
+MODEL = 0  # DraftModes' mode in which K and answering at once are the model's (RoundCost)
+
+
+class DraftModes:
+    """Which way of drafting the controller plays, chosen by what each one measures. The model's way (MODEL: K chosen
+    each round by RoundCost, verdicts answered at once where it pays) against K fixed and finished before each draft
+    goes out (K_max, then halving). The model prices a round by its parts; a round also costs what only its own
+    time shows (a shared machine's cores and memory slowing the drafting while the server steps, the device's
+    Python), and answering at once borrows the next round's drafting.
+
+    So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
+    committed tokens a second from verdict to verdict. The text moves a trial's rate more than the mode does (an easy
+    prompt, then a hard one), so each challenger is played between two trials of a reference (K_max at first, then
+    the mode being played) and scored against their mean: both see the same stretch of text. The best challenger
+    takes over where it scores above 1 + SWITCH_MARGIN; the winner is played for a spell, after which its neighbours
+    (the model's way, K doubled and halved) are tried again. The spell doubles while the same mode wins. A fixed K
+    is halved further only while halving it scored above its reference."""
+
+    TRIAL_TOKENS = 16
+    TRIAL_ROUNDS = 3
+    FIRST_SPELL = 256  # committed tokens
+    SWITCH_MARGIN = 0.02  # a challenger's lead over its reference that counts, beside the trials' noise
+
+    def __init__(self, k_max: int, try_fixed: bool = True, worth: Callable[[int], bool] = lambda k: True):
+        self.k_max = k_max
+        self.worth = worth  # whether a fixed K is worth a trial (the model's rate for it is not far below its best)
+        self.fixed = []  # the fixed K tried: k_max, then halving, down to 2 (none: the model's way alone)
+        k = k_max if try_fixed else 0
+        while k >= 2:
+            self.fixed.append(k)
+            k //= 2
+        self.rate: dict[int, float] = {}  # each mode's committed tokens a second, as last measured
+        self.score: dict[int, float] = {}  # this set of trials' challengers, each over its reference's trials
+        self.best: int | None = None  # the mode played for a spell, None during trials
+        self.last_best: int | None = None  # the last winner
+        self.spell = self.FIRST_SPELL
+        self.tokens, self.seconds, self.rounds = 0, 0.0, 0  # the current trial's or spell's
+        # the model's way until a round is measured (a model of the device that times none plays it alone)
+        self.mode, self.started = MODEL, False
+
+    def trials(self, reference: int, challengers: list[int]) -> None:
+        """Start a set of trials: the reference, then each challenger followed by the reference again."""
+        self.reference, self.challengers, self.score = reference, list(challengers), {}
+        self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
+        self.before = 0.0  # the reference's last trial rate
+        self.mode, self.best = reference, None
+        if not challengers:  # nothing to try: the reference is played
+            self.best = self.last_best = reference
+
+    def count(self, committed: int, cycle_s: float) -> None:
+        """A round played in the current mode: its tokens and its time."""
+        if not self.fixed:  # the model's way alone
+            return
+        if not self.started:  # the first measured round: the trials begin
+            self.started = True
+            fixed = [k for k in self.fixed[:2] if self.worth(k)]
+            self.trials(fixed[0], [MODEL] + fixed[1:]) if fixed else self.trials(MODEL, [])
+            return
+        self.tokens, self.seconds, self.rounds = self.tokens + committed, self.seconds + cycle_s, self.rounds + 1
+        goal = self.spell if self.best is not None else self.TRIAL_TOKENS
+        if self.tokens < goal or self.rounds < self.TRIAL_ROUNDS:
+            return
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        self.rate[self.mode] = rate
+        self.tokens, self.seconds, self.rounds = 0, 0.0, 0
+        if self.best is not None:  # the spell is over: the modes beside it are tried against it
+            self.trials(self.best, [m for m in self.neighbours(self.best) if m == MODEL or self.worth(m)])
+            return
+        if self.mode != self.reference:  # a challenger: the reference again, to score it against both
+            self.waiting, self.mode = self.mode, self.reference
+            return
+        if self.waiting is not None:
+            self.score[self.waiting] = self.rate[self.waiting] / max((self.before + rate) / 2, 1e-9)
+            self.halve(self.waiting)
+            self.waiting = None
+        self.before = rate
+        if self.challengers:
+            self.mode = self.challengers.pop(0)
+            return
+        best = max(self.score, key=lambda m: self.score[m])
+        if self.score[best] <= 1 + self.SWITCH_MARGIN:
+            best = self.reference
+        self.spell = self.spell * 2 if best == self.last_best else self.FIRST_SPELL
+        self.last_best = self.best = self.mode = best
+
+    def halve(self, mode: int) -> None:
+        """After a fixed K's score: its half is tried next while halving scores above the reference."""
+        if mode not in self.fixed or self.score[mode] <= 1.0:
+            return
+        i = self.fixed.index(mode)
+        half = self.fixed[i + 1] if i + 1 < len(self.fixed) else None
+        if half is not None and half not in self.score and half != self.reference and half not in self.challengers \
+                and self.worth(half):
+            self.challengers.insert(0, half)
+
+    def neighbours(self, mode: int) -> list[int]:
+        """The modes tried again after a spell of `mode`: the model's, and the fixed K beside it (after the model's
+        spell, the fixed K that measured best)."""
+        if mode == MODEL:
+            return sorted((k for k in self.rate if k != MODEL), key=lambda k: -self.rate[k])[:1]
+        i = self.fixed.index(mode)
+        return [MODEL] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != mode]
+
+
 class AdaptiveDraftLength:
     # The confidence counts fade by this much a round (about 200 rounds of memory); a bin is used once the tokens
     # seen in all bins together reach CALIBRATION_MIN, each bin pulled toward its own confidence by PRIOR_WEIGHT.
@@ -137,6 +248,14 @@ class AdaptiveDraftLength:
     HIDE_QUEUE = True  # the model counts the queue wait as hiding the drafting done after a verdict
 
     WINDOW = 16  # the recent rounds K is chosen from
+    TRY_FIXED = True  # whether fixed K are tried against the model's way (DraftModes)
+    # A device whose recent steps held this many sessions on average shares the server: it plays the model's way, which
+    # prices what its draft costs the others in the step (c x sessions); its own measured rate would not (a longer
+    # draft can gain it tokens a second that the others lose, waiting for a longer step).
+    SHARED_SESSIONS = 1.5
+    # A fixed K is tried only where the model's rate for it is at least this share of its best K's: the model misses
+    # a round's own costs, not a weak drafter's rejections (a trial of K_max would waste most of what it drafts).
+    WORTH_TRIAL = 0.75
 
     def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, ahead: bool = False,
                  max_age_s: float = 120.0, clock: Callable[[], float] = time.monotonic, confidence_stop: bool = False):
@@ -155,6 +274,9 @@ class AdaptiveDraftLength:
         self.alpha = 1.0  # the acceptance the thresholds were set at
         self.server_max: int | None = None  # the bound on K the last server opened with: a bound is news once
         self.cost: RoundCost | None = None  # the last choice's model of a round, None until two rounds are seen
+        self.modes = self.new_modes()  # the model's way or a fixed K, by what each measures
+        self.model_k = self.k  # the model's last choice
+        self.shared = False  # whether the server's recent steps held other sessions too (SHARED_SESSIONS)
 
     @classmethod
     def for_device(cls, max_draft_tokens: int, ahead: bool, confidence_stop: bool = False) -> AdaptiveDraftLength:
@@ -171,37 +293,71 @@ class AdaptiveDraftLength:
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
         self.k_max, self.k_min, self.ahead = k_max, k_min, ahead
-        self.k = min(max(self.k, self.k_min), k_max)
         if self.last_observed is not None and self.clock() - self.last_observed > self.max_age_s:
             self.samples.clear()
             self.cost = None
+            self.modes = self.new_modes()
+        elif self.modes.k_max != k_max:
+            self.modes = self.new_modes()
+        self.model_k = min(max(self.model_k, self.k_min), k_max)
+        self.k = self.played(self.model_k)
 
     def cap(self, server_max: int) -> bool:
         news = server_max < self.k_max and server_max != self.server_max
         self.server_max = server_max
         self.k_max = min(self.k_max, server_max)
         self.k_min = min(self.k_min, self.k_max)
-        self.k = min(self.k, self.k_max)
+        if self.modes.k_max != self.k_max:
+            self.modes = self.new_modes()
+        self.model_k = min(self.model_k, self.k_max)
+        self.k = self.played(self.model_k)
         return news
 
     def at_least(self, k: int) -> None:
         self.k_min = max(self.k_min, min(k, self.k_max))
-        self.k = max(self.k, self.k_min)
+        self.model_k = max(self.model_k, self.k_min)
+        self.k = self.played(self.model_k)
+
+    def new_modes(self) -> DraftModes:
+        return DraftModes(self.k_max, self.TRY_FIXED, self.worth_trial)
+
+    def worth_trial(self, k: int) -> bool:
+        """Whether a fixed K is worth a trial: its rate in the model is not far below the model's best K's."""
+        if self.cost is None:
+            return True
+        rate = [self.cost.tokens(j) / self.cost.seconds(j) for j in range(self.k_min, self.k_max + 1)]
+        return self.cost.tokens(k) / self.cost.seconds(k) >= self.WORTH_TRIAL * max(rate)
+
+    @property
+    def model_played(self) -> bool:
+        """Whether the model's way is played now, not a fixed K (DraftModes; never while the server is shared)."""
+        return self.shared or self.modes.mode == MODEL
+
+    def played(self, k: int) -> int:
+        """The K to draft: the model's `k`, or the fixed K played now, within the bounds."""
+        return k if self.model_played else min(max(self.modes.mode, self.k_min), self.k_max)
 
     def empty_after_miss(self, threshold: float) -> bool:
-        return self.acceptance() >= threshold
+        return self.model_played and self.acceptance() >= threshold
 
     def answers_at_once(self, k: int, ready: int, busy: bool) -> bool:
         """Whether a verdict goes out at once with the `ready` tokens drafted rather than after drafting to k
-        (RoundCost.answer_now); at once until two rounds are seen."""
-        return self.cost is None or self.cost.answer_now(k, ready, busy)
+        (RoundCost.answer_now); at once until two rounds are seen; never while a fixed K is played."""
+        return self.model_played and (self.cost is None or self.cost.answer_now(k, ready, busy))
 
     def observe(self, sample: RoundSample) -> None:
+        played = self.modes  # the modes this round was played under
         if sample.drafted > 0:
             self.samples.append(sample)
+            shared = sum(max(s.step_sessions, 1) for s in self.samples) / len(self.samples) >= self.SHARED_SESSIONS
+            if shared != self.shared:  # the trials start afresh whenever the device has the server to itself again
+                self.shared, self.modes = shared, self.new_modes()
             self.last_observed = self.clock()
             self.learn_confidence(sample)
-            self.k = self.choose()
+            self.model_k = self.choose()
+        if sample.cycle_s is not None and not self.shared and self.modes is played and self.cost is not None:
+            self.modes.count(sample.committed, sample.cycle_s)
+        self.k = self.played(self.model_k)
 
     def learn_confidence(self, sample: RoundSample) -> None:
         """Count the drafted tokens whose prefix was accepted (the first rejected one included) by confidence."""
@@ -220,8 +376,10 @@ class AdaptiveDraftLength:
         return (self.hit[b] + self.PRIOR_WEIGHT * confidence) / (self.seen[b] + self.PRIOR_WEIGHT)
 
     def stop_rule(self) -> DraftStop | None:
-        """This round's rule for stopping a draft before K, or None (off, or too little learned yet)."""
-        if not self.confidence_stop or self.threshold <= 0 or sum(self.seen) < self.CALIBRATION_MIN:
+        """This round's rule for stopping a draft before K, or None (off, too little learned yet, or a fixed K
+        played)."""
+        if (not self.confidence_stop or not self.model_played or self.threshold <= 0
+                or sum(self.seen) < self.CALIBRATION_MIN):
             return None
         return DraftStop(self.accept_chance, self.threshold, self.keep, self.alpha)
 
@@ -245,7 +403,7 @@ class AdaptiveDraftLength:
 
     def choose(self) -> int:
         if len(self.samples) < 2:
-            return self.k
+            return self.model_k
         alpha = self.acceptance()
         timed = [s.draft_token_s for s in self.samples if s.draft_token_s is not None]
         if timed:

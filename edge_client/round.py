@@ -206,7 +206,8 @@ class Round:
             len(proposal.token_ids), verdict.n_accepted, t_sent - t_round, verdict_at - t_sent,
             verdict.token_ms / 1000.0, spent / tokens if tokens else None, verdict.step_sessions,
             None if proposal.confidence is None else tuple(proposal.confidence), verdict.step_ms / 1000.0,
-            verdict.queue_ms / 1000.0, prompt, device_s))
+            verdict.queue_ms / 1000.0, prompt, device_s, len(committed),
+            None if self._answering is None else verdict_at - self._answering[0]))
         r.rounds += 1
         r.draft_tokens += len(proposal.token_ids)
         r.accepted_tokens += verdict.n_accepted

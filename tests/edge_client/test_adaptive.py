@@ -88,7 +88,7 @@ def test_configure_keeps_what_was_learned_within_the_new_bounds():
     assert ctrl.k == 1 and len(ctrl.samples) == 16
     ctrl.configure(4, ahead=True)
     assert (ctrl.k, ctrl.k_max, ctrl.ahead, len(ctrl.samples)) == (1, 4, True, 16)
-    ctrl.k = 4
+    ctrl.model_k = 4  # the model's last choice
     ctrl.configure(2, ahead=False)
     assert (ctrl.k, ctrl.k_max) == (2, 2)
     with pytest.raises(ValueError, match="k_max"):

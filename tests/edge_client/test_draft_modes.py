@@ -1,0 +1,140 @@
+"""The controller's choice between the model's way and a fixed K, by what each measures (DraftModes)."""
+
+from edge_client.adaptive import MODEL, AdaptiveDraftLength, DraftModes, RoundSample
+
+
+def play(ctrl, rate_of, rounds, accepted=lambda k: k):
+    """`rounds` rounds in which whatever is played commits at `rate_of(mode)` tokens a second; the modes played."""
+    played = []
+    for _ in range(rounds):
+        mode, k = ctrl.modes.mode, ctrl.k
+        committed = accepted(k) + 1
+        played.append(mode)
+        ctrl.observe(RoundSample(k, accepted(k), 0.0, 0.03, 0.001, 0.01, committed=committed,
+                                 cycle_s=committed / rate_of(mode)))
+    return played
+
+
+def test_a_fixed_k_that_commits_faster_than_the_models_way_is_played_and_finishes_its_drafts():
+    """On a machine where the model's short rounds cost more than it prices them (the drafting slowed by each
+    server step), K = 8 finished each round measures fastest: it is played, at K = 8, never answering at once."""
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    rates = {MODEL: 50.0, 8: 66.0, 4: 60.0, 2: 55.0}
+    played = play(ctrl, rates.get, 120)
+    # the model's way until it has a model (two rounds), then K = 8, the reference each other mode is played beside;
+    # 2 not, 4 being slower than 8
+    assert played[:3] == [MODEL, MODEL, 8] and set(played[:40]) == {MODEL, 8, 4}
+    assert 2 not in played
+    assert ctrl.modes.best == 8 and ctrl.k == 8
+    assert not ctrl.answers_at_once(8, 3, busy=True) and not ctrl.empty_after_miss(0.0)
+    assert ctrl.stop_rule() is None
+
+
+def test_where_the_models_way_measures_fastest_it_is_played():
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    rates = {MODEL: 70.0, 8: 50.0, 4: 55.0, 2: 52.0}
+    played = play(ctrl, rates.get, 80)
+    assert ctrl.modes.last_best == MODEL and played[-60:].count(MODEL) >= 45
+    while not ctrl.model_played:  # a mode beside it tried again
+        play(ctrl, rates.get, 1)
+    assert ctrl.k == ctrl.model_k  # the model's own K
+
+
+def test_halving_goes_on_while_it_measures_faster():
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    rates = {MODEL: 40.0, 8: 50.0, 4: 55.0, 2: 60.0}
+    play(ctrl, rates.get, 80)
+    assert ctrl.modes.last_best == 2 and ctrl.k == 2
+
+
+def test_after_a_spell_the_modes_beside_the_best_are_tried_again_and_a_change_is_followed():
+    """The server's load changes (other devices come): after its spell of K = 8, the model's way is tried again and
+    now measures faster, so it is played; while the best stays the best, each spell is twice as long."""
+    modes = DraftModes(8)
+    rates = {MODEL: 50.0, 8: 66.0, 4: 60.0, 2: 55.0}
+    spells = []  # each spell as it starts: its mode and length
+
+    def rounds(until):
+        for _ in range(5000):
+            if len(spells) == until:
+                return
+            modes.count(4, 4 / rates[modes.mode])
+            if modes.best is not None and modes.tokens == 0 and (modes.best, modes.spell) not in spells[-1:]:
+                spells.append((modes.best, modes.spell))
+
+    rounds(3)
+    first = DraftModes.FIRST_SPELL
+    assert spells == [(8, first), (8, 2 * first), (8, 4 * first)]
+    rates[MODEL] = 90.0
+    rounds(5)
+    assert spells[3:] == [(MODEL, first), (MODEL, 2 * first)]
+
+
+def test_rounds_without_a_measured_time_leave_the_mode_alone():
+    """A model of the device that times no round (cycle_s None) plays the model's way only."""
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    for _ in range(50):
+        ctrl.observe(RoundSample(ctrl.k, ctrl.k, 0.0, 0.03, 0.001, 0.01))
+    assert ctrl.model_played and ctrl.modes.rate == {}
+
+
+def test_a_servers_bound_on_k_starts_the_trials_again_under_it():
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    play(ctrl, {MODEL: 50.0, 8: 66.0, 4: 60.0, 2: 55.0}.get, 60)
+    assert ctrl.modes.last_best == 8
+    ctrl.cap(3)
+    assert ctrl.modes.fixed == [3] and ctrl.k <= 3
+    play(ctrl, {MODEL: 50.0, 3: 66.0}.get, 40)
+    assert ctrl.modes.best == 3 and ctrl.k == 3
+
+
+def test_a_floor_on_k_holds_under_a_fixed_k():
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    ctrl.at_least(3)
+    play(ctrl, {MODEL: 40.0, 8: 50.0, 4: 55.0, 2: 60.0}.get, 80)
+    assert ctrl.modes.last_best == 2 and ctrl.k == 3  # the session's floor wins over the fixed K played
+
+
+def test_a_device_sharing_the_server_plays_the_models_way_whatever_a_fixed_k_gains_it():
+    """Beside other sessions a longer draft can gain this device tokens a second that the others lose, waiting for a
+    longer step: its own rate is the wrong measure there, and the model prices the others' wait. So with 4 sessions
+    a step it plays the model's way though K = 8 would measure faster, and tries fixed K again once alone."""
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    rates = {MODEL: 50.0, 8: 66.0, 4: 60.0, 2: 55.0}
+
+    def rounds(n, sessions):
+        played = []
+        for _ in range(n):
+            k, played = ctrl.k, played + [ctrl.model_played]
+            ctrl.observe(RoundSample(k, k, 0.0, 0.03, 0.001, 0.01, step_sessions=sessions, committed=k + 1,
+                                     cycle_s=(k + 1) / rates[ctrl.modes.mode]))
+        return played
+
+    assert all(rounds(80, sessions=4)[2:])  # once two rounds tell it the steps are shared
+    assert ctrl.modes.rate == {}
+    rounds(80, sessions=1)
+    assert ctrl.modes.last_best == 8 and ctrl.k == 8
+
+
+def test_a_mode_tried_again_takes_over_only_where_clearly_faster():
+    """After a spell, a mode tried again beside it takes over only where it scores above its reference by more than
+    SWITCH_MARGIN."""
+    for faster, taken in ((1.01, False), (1.15, True)):
+        modes = DraftModes(8)
+        rates = {MODEL: 50.0, 8: 66.0, 4: 60.0, 2: 55.0}
+        while modes.best != 8:
+            modes.count(4, 4 / rates[modes.mode])
+        rates[4] = 66.0 * faster
+        while modes.best is not None:  # the spell
+            modes.count(4, 4 / rates[modes.mode])
+        while modes.best is None:  # the trials beside it
+            modes.count(4, 4 / rates[modes.mode])
+        assert modes.best == (4 if taken else 8), faster
+
+
+def test_a_weak_drafter_tries_no_k_its_model_finds_wasteful():
+    """The model misses a round's own costs, not rejections: a drafter the target rejects at every token (K = 1 in
+    the model) is not made to draft K = 8 for a trial, where nearly all of it would be thrown away."""
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    played = play(ctrl, {MODEL: 20.0, 8: 30.0, 4: 30.0, 2: 30.0}.get, 60, accepted=lambda k: 0)
+    assert set(played[2:]) == {MODEL} and ctrl.k == 1
