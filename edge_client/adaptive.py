@@ -167,14 +167,16 @@ class DraftModes:
         self.last_best: int | None = None  # the last winner
         self.spell = self.FIRST_SPELL
         self.tokens, self.seconds, self.rounds = 0, 0.0, 0  # the current trial's or spell's
-        # the model's way until a round is measured (a model of the device that times none plays it alone)
+        self.reference, self.challengers = MODEL, []  # a set of trials': what each challenger is scored against
+        self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
+        self.before = 0.0  # the reference's last trial rate
+        # the model's way until the first round is counted (a model of the device that times none plays it alone)
         self.mode, self.started = MODEL, False
 
     def trials(self, reference: int, challengers: list[int]) -> None:
         """Start a set of trials: the reference, then each challenger followed by the reference again."""
         self.reference, self.challengers, self.score = reference, list(challengers), {}
-        self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
-        self.before = 0.0  # the reference's last trial rate
+        self.waiting, self.before = None, 0.0
         self.mode, self.best = reference, None
         if not challengers:  # nothing to try: the reference is played
             self.best = self.last_best = reference
@@ -186,7 +188,10 @@ class DraftModes:
         if not self.started:  # the first measured round: the trials begin
             self.started = True
             fixed = [k for k in self.fixed[:2] if self.worth(k)]
-            self.trials(fixed[0], [MODEL] + fixed[1:]) if fixed else self.trials(MODEL, [])
+            if fixed:
+                self.trials(fixed[0], [MODEL] + fixed[1:])
+            else:
+                self.trials(MODEL, [])
             return
         self.tokens, self.seconds, self.rounds = self.tokens + committed, self.seconds + cycle_s, self.rounds + 1
         goal = self.spell if self.best is not None else self.TRIAL_TOKENS
