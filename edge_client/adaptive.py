@@ -302,8 +302,7 @@ class AdaptiveDraftLength:
             self.samples.clear()
             self.cost = None
             self.modes = self.new_modes()
-        elif self.modes.k_max != k_max:
-            self.modes = self.new_modes()
+        self.bound_modes()
         self.model_k = min(max(self.model_k, self.k_min), k_max)
         self.k = self.played(self.model_k)
 
@@ -312,8 +311,7 @@ class AdaptiveDraftLength:
         self.server_max = server_max
         self.k_max = min(self.k_max, server_max)
         self.k_min = min(self.k_min, self.k_max)
-        if self.modes.k_max != self.k_max:
-            self.modes = self.new_modes()
+        self.bound_modes()
         self.model_k = min(self.model_k, self.k_max)
         self.k = self.played(self.model_k)
         return news
@@ -325,6 +323,11 @@ class AdaptiveDraftLength:
 
     def new_modes(self) -> DraftModes:
         return DraftModes(self.k_max, self.TRY_FIXED, self.worth_trial)
+
+    def bound_modes(self) -> None:
+        """Fresh trials where K's bound changed: the fixed K tried are K_max and its halves."""
+        if self.modes.k_max != self.k_max:
+            self.modes = self.new_modes()
 
     def worth_trial(self, k: int) -> bool:
         """Whether a fixed K is worth a trial: its rate in the model is not far below the model's best K's."""
