@@ -1,5 +1,6 @@
 """sled-bench: every benchmark has help; the soak and fairness commands run end to end and report what they check."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,5 @@ def test_fairness_compares_chunk_sizes_side_by_side():
     assert len(rows) == 4 and all(row.count("|") == 8 for row in rows)  # both tables, a row per setting
     assert all("nan" not in row for row in rows)  # every phase measured something
     assert "TTFT alone, median ms" in done.stdout and "prompts a minute" in done.stdout
+    long_rows = rows[2:]  # each beside the ceiling that one prompt alone measured
+    assert all(re.search(r"\| \d+\.\d \(\d+\.\d\d of \d+\.\d\) \|", row) for row in long_rows), long_rows
