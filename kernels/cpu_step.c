@@ -237,6 +237,7 @@ struct sled_layer {
     const float *wgu, *bgu;            /* [2 inter, hidden] (gate, up stacked) */
     const float *wd, *bd;              /* [hidden, inter] */
     float *k_cache, *v_cache;          /* [kv_heads, pool_rows, head_dim], this layer */
+    const float *qn, *kn;              /* [head_dim] RMSNorm of each q and k head before RoPE (Qwen3), or NULL */
 };
 
 struct sled_model {
@@ -462,6 +463,14 @@ static void rms_norm(const float *x, int64_t M, const int64_t *rows, const float
     }
 }
 
+/* v = v / rms(v) * weight over one head's hd values (Qwen3's q and k norms). */
+static void head_norm(float *v, const float *weight, int64_t hd, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < hd; ++i) ss += v[i] * v[i];
+    float inv = 1.0f / sqrtf(ss / hd + eps);
+    for (int64_t i = 0; i < hd; ++i) v[i] = v[i] * inv * weight[i];
+}
+
 static void rope(float *v, const float *cos, const float *sin_signed, int64_t hd) {
     int64_t half = hd / 2;
     for (int64_t i = 0; i < half; ++i) {
@@ -615,12 +624,14 @@ int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t
             const struct sled_layer *L = &md->layers[l];
             rms_norm(h, M, NULL, L->ln1, xn, H, md->eps);
             gemv(xn, H, M, L->wqkv, L->bqkv, qkv, nqkv, nqkv, H, 0);
-            /* RoPE on q and k heads, then k and v into the cache */
+            /* the q and k heads' norms where the family has them, RoPE, then k and v into the cache */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < M * (nh + nkv); ++t) {
                 int64_t m = t / (nh + nkv), head = t % (nh + nkv);
                 const float *c = md->cos + pos[m] * hd, *s = md->sin_signed + pos[m] * hd;
                 float *v = qkv + m * nqkv + head * hd;  /* q heads, then k heads */
+                const float *head_weight = head < nh ? L->qn : L->kn;
+                if (head_weight) head_norm(v, head_weight, hd, md->eps);
                 rope(v, c, s, hd);
                 if (head >= nh) {
                     int64_t kh = head - nh;

@@ -159,7 +159,8 @@ def pack_panels(w: torch.Tensor, width: int) -> torch.Tensor:
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd", "k_cache", "v_cache")]
+                ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd", "k_cache", "v_cache", "qn",
+                 "kn")]
 
 
 class _Model(ctypes.Structure):
@@ -174,9 +175,9 @@ class _Model(ctypes.Structure):
 @dataclass(frozen=True)
 class StepModel:
     """What the fused step reads of a model: per layer its norms, projections and biases (ln1, ln2, q, k, v, o,
-    gate, up, down; bq, bk, bv, bo, bgate, bup, bdown, None where absent), the final norm and logits projection,
-    the KV pool ([layers, kv_heads, pool_rows, head_dim], blocks of block_size rows), the RoPE tables (their rows
-    bound positions), and the attention's shape."""
+    gate, up, down; bq, bk, bv, bo, bgate, bup, bdown; qn and kn, the q and k heads' norms; None where absent), the
+    final norm and logits projection, the KV pool ([layers, kv_heads, pool_rows, head_dim], blocks of block_size
+    rows), the RoPE tables (their rows bound positions), and the attention's shape."""
 
     layers: Sequence[dict[str, torch.Tensor | None]]
     norm: torch.Tensor
@@ -195,7 +196,8 @@ class StepModel:
 
 
 class CpuStep:
-    """A Llama-family target's forward in one call per batch of tokens, over the runner's weights and KV pool.
+    """A Llama-family target's forward (Qwen3's q and k norms too) in one call per batch of tokens, over the
+    runner's weights and KV pool.
 
     Holds its own copies of the projection matrices (q/k/v and gate/up stacked, one matrix each; o, down and
     the logits projection), packed in the panels the C side's matrix products read; the norms, the cache and
@@ -248,7 +250,7 @@ class CpuStep:
             wgu, bgu = stack([lw["gate"], lw["up"]], [lw["bgate"], lw["bup"]])
             self.layers[i] = _Layer(own(lw["ln1"]), own(lw["ln2"]), wqkv, bqkv, packed(lw["o"]), own(lw["bo"]),
                                     wgu, bgu, packed(lw["down"]), own(lw["bdown"]),
-                                    k_cache[i].data_ptr(), v_cache[i].data_ptr())
+                                    k_cache[i].data_ptr(), v_cache[i].data_ptr(), own(lw.get("qn")), own(lw.get("kn")))
         self.k_cache, self.v_cache = k_cache, v_cache
         self.model = _Model(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, lm_head.shape[0], max_seq,
                             m.block_size, pool_rows * head_dim, eps, scale,

@@ -399,7 +399,9 @@ class ModelRunner:
                                "bq": bias(a.q_proj), "bk": bias(a.k_proj), "bv": bias(a.v_proj),
                                "o": a.o_proj.weight, "bo": bias(a.o_proj), "gate": m.gate_proj.weight,
                                "up": m.up_proj.weight, "bgate": bias(m.gate_proj), "bup": bias(m.up_proj),
-                               "down": m.down_proj.weight, "bdown": bias(m.down_proj)})
+                               "down": m.down_proj.weight, "bdown": bias(m.down_proj),
+                               "qn": a.q_norm.weight if self.family.qk_norm else None,
+                               "kn": a.k_norm.weight if self.family.qk_norm else None})
             return CpuStep(StepModel(layers=layers, norm=self.norm, lm_head=self.lm_head,
                                      lm_bias=bias(self.model.lm_head), k_cache=self.kv.k, v_cache=self.kv.v,
                                      cos=self.cos["all"], sin_signed=self.sin_signed["all"], num_heads=self.num_heads,
@@ -412,13 +414,12 @@ class ModelRunner:
             return None
 
     def _unfused_reason(self) -> str | None:
-        """Why the fused CPU step (Llama's block, global attention, one RoPE) cannot compute this target."""
+        """Why the fused CPU step (Llama's block, Qwen3's q/k norms too; global attention, one RoPE) cannot compute
+        this target."""
         if self.shard is not None and self.shard.world > 1:
             return "tensor parallel"
         if self.family.gemma:
             return "Gemma's norms, activation and embedding scale"
-        if self.family.qk_norm:
-            return "q/k norms"
         if any(spec.window is not None for spec in self.specs):
             return "sliding-window layers"
         return None

@@ -161,14 +161,23 @@ def test_greedy_through_a_server_and_a_device_equals_transformers_generate(famil
         server.stop()
 
 
-def test_the_fused_cpu_step_steps_aside_with_its_reason(family, caplog):
+def test_the_fused_cpu_step_computes_qwen3_and_steps_aside_for_the_others_with_its_reason(family, caplog):
     from verify_server.kv_cache import KVCache, KVLayout
-    from verify_server.model_runner import ModelRunner
+    from verify_server.model_runner import ModelInput, ModelRunner
 
     kind, _, target = family
     cfg = target.model.config
     kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 2, 16, 32)
-    reason = {"qwen3": "q/k norms", "gemma3_text": "Gemma's norms", "mistral": "sliding-window layers"}[kind]
+    if kind == "qwen3":  # Llama's block with an RMSNorm over each q and k head before RoPE: the fused step's own
+        runner = ModelRunner(target.model, kv, fused="on", fused_max_tokens=64)
+        blocks = tuple(kv.blocks.allocate(2))
+        got = runner.forward(ModelInput.build(PROMPT, [Segment(blocks, 0, len(PROMPT), len(PROMPT), 16)],
+                                              list(range(len(PROMPT)))))
+        with torch.inference_mode():
+            want = target.model(torch.tensor([PROMPT])).logits[0]
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max().item()
+        return
+    reason = {"gemma3_text": "Gemma's norms", "mistral": "sliding-window layers"}[kind]
     with caplog.at_level(logging.INFO, logger="verify_server.model_runner"):
         assert ModelRunner(target.model, kv, fused="auto").fused is None
     assert reason in caplog.text

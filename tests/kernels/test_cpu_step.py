@@ -1,6 +1,7 @@
 """The fused CPU step (kernels/cpu_step.c) against PyTorch's reference path of the same runner, on small random
 models whose shapes reach every branch: head sizes with and without a specialized loop, widths that leave tails in
-the matrix products, biases (Qwen2), grouped heads, ragged batches over several slots, and a poisoned cache."""
+the matrix products, biases (Qwen2), q and k norms (Qwen3), grouped heads, ragged batches over several slots, and a
+poisoned cache."""
 
 import ctypes
 import dataclasses
@@ -24,10 +25,11 @@ def _model(kind: str, hidden: int, heads: int, kv_heads: int, inter: int, vocab:
     import transformers
 
     cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
     cfg = cfg_cls(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   intermediate_size=inter, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, head_dim=hidden // heads)
     torch.manual_seed(0)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # larger than the init's 0.02 so that every term moves the logits
@@ -80,6 +82,7 @@ SHAPES = {
     "head64-gqa": ("llama", 128, 2, 1, 96, 203),       # head_dim 64: the specialized attention loop
     "head10-tails": ("llama", 40, 4, 2, 72, 101),      # head_dim 10: generic loops; no width a multiple of 16
     "qwen2-bias-head16": ("qwen2", 64, 4, 2, 80, 130),  # q/k/v biases
+    "qwen3-qk-norm-head16": ("qwen3", 64, 4, 2, 80, 130),  # an RMSNorm over each q and k head before RoPE
     "head128": ("llama", 256, 2, 2, 64, 97),
 }
 
