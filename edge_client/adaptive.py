@@ -143,10 +143,13 @@ class DraftModes:
     So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
     committed tokens a second from verdict to verdict. The text moves a trial's rate more than the mode does (an easy
     prompt, then a hard one), so each challenger is played between two trials of a reference (K_max at first, then
-    the mode being played) and scored against their mean: both see the same stretch of text. The best challenger
-    takes over where it scores above 1 + SWITCH_MARGIN; the winner is played for a spell, after which its neighbours
-    (the model's way, K doubled and halved) are tried again. The spell doubles while the same mode wins. A fixed K
-    is halved further only while halving it scored above its reference."""
+    the mode being played) and scored against their mean: both see the same stretch of text. Text is not smooth,
+    though: one hard stretch (a new prompt's opening, a passage the drafter misses) can sink one reference trial
+    and lift every challenger beside it. So the best challenger that scores above 1 + SWITCH_MARGIN is played beside
+    the reference once more, and takes over only where that second score is above it too (else the reference
+    stays: the others' scores had the same reference trials beside them). The winner is played for
+    a spell, after which its neighbours (the model's way, K doubled and halved) are tried again. The spell doubles
+    while the same mode wins. A fixed K is halved further only while halving it scored above its reference."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
@@ -169,6 +172,7 @@ class DraftModes:
         self.tokens, self.seconds, self.rounds = 0, 0.0, 0  # the current trial's or spell's
         self.reference, self.challengers = MODEL, []  # a set of trials': what each challenger is scored against
         self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
+        self.confirming: int | None = None  # a challenger that won its trial, being played beside the reference again
         self.before = 0.0  # the reference's last trial rate
         # the model's way until the first round is counted (a model of the device that times none plays it alone)
         self.mode, self.started = MODEL, False
@@ -176,7 +180,7 @@ class DraftModes:
     def trials(self, reference: int, challengers: list[int]) -> None:
         """Start a set of trials: the reference, then each challenger followed by the reference again."""
         self.reference, self.challengers, self.score = reference, list(challengers), {}
-        self.waiting, self.before = None, 0.0
+        self.waiting, self.confirming, self.before = None, None, 0.0
         self.mode, self.best = reference, None
         if not challengers:  # nothing to try: the reference is played
             self.best = self.last_best = reference
@@ -214,9 +218,12 @@ class DraftModes:
         if self.challengers:
             self.mode = self.challengers.pop(0)
             return
-        best = max(self.score, key=lambda m: self.score[m])
+        best = self.confirming if self.confirming is not None else max(self.score, key=lambda m: self.score[m])
         if self.score[best] <= 1 + self.SWITCH_MARGIN:
             best = self.reference
+        elif self.confirming is None:  # a first win: its trial once more, then the reference again, rescore it
+            self.confirming = self.mode = best
+            return
         self.spell = self.spell * 2 if best == self.last_best else self.FIRST_SPELL
         self.last_best = self.best = self.mode = best
 

@@ -138,3 +138,22 @@ def test_a_weak_drafter_tries_no_k_its_model_finds_wasteful():
     ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
     played = play(ctrl, {MODEL: 20.0, 8: 30.0, 4: 30.0, 2: 30.0}.get, 60, accepted=lambda k: 0)
     assert set(played[2:]) == {MODEL} and ctrl.k == 1
+
+
+
+def test_a_challenger_lifted_by_one_sunk_reference_trial_is_played_again_and_not_believed():
+    """One hard stretch of text (a new prompt's opening) sinks the reference's trial right after K = 4's: K = 4 and
+    then K = 2 score above the reference's mean. K = 4, the best, is played beside the reference once more, scores
+    below it, and K = 8 stays (believed at once, the sunk trial would have made K = 4 the winner)."""
+    modes = DraftModes(8)
+    rates = {MODEL: 60.0, 8: 80.0, 4: 66.0, 2: 64.0}
+    modes.count(4, 0.05)  # the first measured round starts the trials
+    trials, sunk = [], False
+    while modes.best is None:
+        mode, hard = modes.mode, modes.mode == 8 and modes.waiting == 4 and not sunk
+        modes.count(4, 4 / (40.0 if hard else rates[mode]))
+        if modes.tokens == 0:  # a trial ended
+            trials.append(mode)
+            sunk = sunk or hard
+    assert trials == [8, MODEL, 8, 4, 8, 2, 8, 4, 8]
+    assert modes.best == 8 and modes.score[4] < 1.0
