@@ -141,7 +141,7 @@ class DraftModes:
     Python), and answering at once borrows the next round's drafting.
 
     So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
-    committed tokens a second from verdict to verdict. The text moves a trial's rate more than the mode does (an easy
+    committed tokens a second from verdict to verdict, after one trial that only warms up. The text moves a trial's rate more than the mode does (an easy
     prompt, then a hard one), so each challenger is played between two trials of a reference (K_max at first, then
     the mode being played) and scored against their mean: both see the same stretch of text. Text is not smooth,
     though: one hard stretch (a new prompt's opening, a passage the drafter misses) can sink one reference trial
@@ -176,6 +176,7 @@ class DraftModes:
         self.before = 0.0  # the reference's last trial rate
         # the model's way until the first round is counted (a model of the device that times none plays it alone)
         self.mode, self.started = MODEL, False
+        self.warming = True  # the first trial only warms up: a fresh drafter, session and text measure slow
 
     def trials(self, reference: int, challengers: list[int]) -> None:
         """Start a set of trials: the reference, then each challenger followed by the reference again."""
@@ -202,8 +203,11 @@ class DraftModes:
         if self.tokens < goal or self.rounds < self.TRIAL_ROUNDS:
             return
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        self.rate[self.mode] = rate
         self.tokens, self.seconds, self.rounds = 0, 0.0, 0
+        if self.warming:  # measured again before anything is scored against it
+            self.warming = False
+            return
+        self.rate[self.mode] = rate
         if self.best is not None:  # the spell is over: the modes beside it are tried against it
             self.trials(self.best, [m for m in self.neighbours(self.best) if m == MODEL or self.worth(m)])
             return

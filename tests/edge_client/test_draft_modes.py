@@ -155,5 +155,22 @@ def test_a_challenger_lifted_by_one_sunk_reference_trial_is_played_again_and_not
         if modes.tokens == 0:  # a trial ended
             trials.append(mode)
             sunk = sunk or hard
-    assert trials == [8, MODEL, 8, 4, 8, 2, 8, 4, 8]
+    assert trials == [8, 8, MODEL, 8, 4, 8, 2, 8, 4, 8]  # the first trial warms up
     assert modes.best == 8 and modes.score[4] < 1.0
+
+
+def test_the_first_trial_only_warms_up_and_nothing_is_scored_against_it():
+    """A fresh drafter and session measure slow: the first trial of K = 8 is played again before the model's way is
+    scored against it, so the model's way is not lifted by it (scored against it, it would have been played again
+    as a winner)."""
+    modes = DraftModes(8)
+    rates = {MODEL: 60.0, 8: 80.0, 4: 66.0, 2: 64.0}
+    modes.count(4, 0.05)  # the first measured round starts the trials
+    trials = []
+    while modes.best is None:
+        mode = modes.mode
+        modes.count(4, 4 / (30.0 if not trials else rates[mode]))
+        if modes.tokens == 0:
+            trials.append(mode)
+    assert trials == [8, 8, MODEL, 8, 4, 8]
+    assert modes.best == 8 and modes.rate[8] == 80.0
