@@ -141,15 +141,16 @@ class DraftModes:
     Python), and answering at once borrows the next round's drafting.
 
     So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
-    committed tokens a second from verdict to verdict, after one trial that only warms up. The text moves a trial's rate more than the mode does (an easy
-    prompt, then a hard one), so each challenger is played between two trials of a reference (K_max at first, then
-    the mode being played) and scored against their mean: both see the same stretch of text. Text is not smooth,
-    though: one hard stretch (a new prompt's opening, a passage the drafter misses) can sink one reference trial
-    and lift every challenger beside it. So the best challenger that scores above 1 + SWITCH_MARGIN is played beside
-    the reference once more, and takes over only where that second score is above it too (else the reference
-    stays: the others' scores had the same reference trials beside them). The winner is played for
-    a spell, after which its neighbours (the model's way, K doubled and halved) are tried again. The spell doubles
-    while the same mode wins. A fixed K is halved further only while halving it scored above its reference."""
+    committed tokens a second from verdict to verdict, after one trial that only warms up. The text moves a trial's
+    rate more than the mode does (an easy prompt, then a hard one), so each challenger is played between two trials
+    of a reference (K_max at first, then the mode being played) and scored against their mean: both see the same
+    stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the drafter
+    misses) can sink one reference trial and lift every challenger beside it. So the best challenger that scores
+    above 1 + SWITCH_MARGIN is played beside the reference once more, and takes over only where that second score is
+    above it too (else the reference stays: the others' scores had the same reference trials beside them). The
+    winner is played for a spell, after which its neighbours (the model's way, K doubled and halved) are tried
+    again. The spell doubles while the same mode wins. A fixed K is halved further only while halving it scored
+    above its reference."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
