@@ -449,26 +449,20 @@ static void gemv(const float *x, int64_t ldx, int64_t M, const float *p, const f
     }
 }
 
+/* out = x / rms(x) * weight over n values (out may be x). */
+static inline void norm_row(const float *x, const float *weight, float *out, int64_t n, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / n + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * weight[i];
+}
+
 /* out[m] = x[m] / rms(x[m]) * weight, for the rows listed (or all M rows when rows is NULL). */
 static void rms_norm(const float *x, int64_t M, const int64_t *rows, const float *weight, float *out, int64_t H,
                      float eps) {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-        const float *xm = x + (rows ? rows[m] : m) * H;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < H; ++i) ss += xm[i] * xm[i];
-        float inv = 1.0f / sqrtf(ss / H + eps);
-        for (int64_t i = 0; i < H; ++i) out[m * H + i] = xm[i] * inv * weight[i];
-    }
-}
-
-/* v = v / rms(v) * weight over one head's hd values (Qwen3's q and k norms). */
-static void head_norm(float *v, const float *weight, int64_t hd, float eps) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < hd; ++i) ss += v[i] * v[i];
-    float inv = 1.0f / sqrtf(ss / hd + eps);
-    for (int64_t i = 0; i < hd; ++i) v[i] = v[i] * inv * weight[i];
+    for (int64_t m = 0; m < M; ++m) norm_row(x + (rows ? rows[m] : m) * H, weight, out + m * H, H, eps);
 }
 
 static void rope(float *v, const float *cos, const float *sin_signed, int64_t hd) {
@@ -631,7 +625,7 @@ int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t
                 const float *c = md->cos + pos[m] * hd, *s = md->sin_signed + pos[m] * hd;
                 float *v = qkv + m * nqkv + head * hd;  /* q heads, then k heads */
                 const float *head_weight = head < nh ? L->qn : L->kn;
-                if (head_weight) head_norm(v, head_weight, hd, md->eps);
+                if (head_weight) norm_row(v, head_weight, v, hd, md->eps);
                 rope(v, c, s, hd);
                 if (head >= nh) {
                     int64_t kh = head - nh;
