@@ -140,7 +140,6 @@ def test_a_weak_drafter_tries_no_k_its_model_finds_wasteful():
     assert set(played[2:]) == {MODEL} and ctrl.k == 1
 
 
-
 def test_a_challenger_lifted_by_one_sunk_reference_trial_is_played_again_and_not_believed():
     """One hard stretch of text (a new prompt's opening) sinks the reference's trial right after K = 4's: K = 4 and
     then K = 2 score above the reference's mean. K = 4, the best, is played beside the reference once more, scores
