@@ -53,7 +53,7 @@ def train(args, target=None) -> dict:
     total = backbone.model.config.num_hidden_layers
     if args.layers > total:
         raise ValueError(f"--layers must be in 1..{total} (the backbone's layers), got {args.layers}")
-    train_set, eval_set, data_s = dataset(args, target, backbone, work)
+    train_set, eval_set, data_s, eval_prompts = dataset(args, target, backbone, work)
     bmodel = backbone.model
     if args.kind == "imitation":
         head = ImitationHead(bmodel, args.layers, args.head_layers)
@@ -83,6 +83,7 @@ def train(args, target=None) -> dict:
         "eos_token_id": target.eos_token_ids[0], "eos_token_ids": list(target.eos_token_ids),
         "max_positions": int(getattr(bmodel.config, "max_position_embeddings", 8192)), "int8": args.int8,
         "tokenizer_fingerprint": target.fingerprint, "trained": config, "held_out": held,
+        "held_out_prompts": eval_prompts,  # never trained on: what `sled-bench drafters --trained` runs as held-out
     }
     if args.kind == "parallel":
         meta |= {"slots": args.slots, "heads": args.heads, "loss": args.loss,
@@ -123,13 +124,15 @@ def dataset(args, target, backbone, work: Path):
               "heldout": args.heldout_fraction, "max_new": args.max_new_tokens, "seed": args.seed,
               "version": 2}
     key = key_of(fields)
+    prompts = D.corpus([c for c in args.corpus.split(",") if c], target.vocab_tokens)
+    train_p, eval_p = D.split(prompts, args.heldout_fraction, args.prompts, args.eval_prompts, args.seed)
     path = work / f"data-{key}.pt"
     if path.is_file():
         try:
             saved = torch.load(path, weights_only=False)
             if saved.get("key") == key:
                 log(f"[train] distilled data from {path}")
-                return saved["train"], saved["eval"], saved["stats"] | {"reused": True}
+                return saved["train"], saved["eval"], saved["stats"] | {"reused": True}, eval_p
         except Exception as err:  # a torn or foreign file: made again, never trusted
             log(f"[train] {path} is unreadable ({type(err).__name__}); distilling again")
     tok = target.tokenizer
@@ -143,8 +146,6 @@ def dataset(args, target, backbone, work: Path):
 
     start = time.time()
 
-    prompts = D.corpus([c for c in args.corpus.split(",") if c], target.vocab_tokens)
-    train_p, eval_p = D.split(prompts, args.heldout_fraction, args.prompts, args.eval_prompts, args.seed)
     if len(train_p) < args.prompts or len(eval_p) < args.eval_prompts:
         log(f"[train] the corpus gives {len(train_p)} training and {len(eval_p)} held-out prompts")
     if not train_p or not eval_p:
@@ -165,7 +166,7 @@ def dataset(args, target, backbone, work: Path):
     tmp = path.with_suffix(".tmp")
     torch.save({"key": key, "train": feats["train"], "eval": feats["eval"], "stats": stats}, tmp)
     os.replace(tmp, path)
-    return feats["train"], feats["eval"], stats
+    return feats["train"], feats["eval"], stats, eval_p
 
 
 def pad(rows: list[torch.Tensor], value=0) -> torch.Tensor:
@@ -187,8 +188,11 @@ def anchors_of(f: D.Features, k: int) -> torch.Tensor:
 def step_loss(args, head, rows: list[D.Features], step: int, device) -> torch.Tensor:
     hidden = pad([f.hidden[:MAX_LEN] for f in rows]).to(device)
     if args.kind == "imitation":
+        # the loss covers the answers only (from the prompt's last row): a device drafts there, never in a prompt
         lengths = torch.tensor([min(len(f.ids), MAX_LEN) for f in rows])
-        valid = (torch.arange(hidden.shape[1])[None] < lengths[:, None]).to(device)
+        starts = torch.tensor([f.prompt_len - 1 for f in rows])
+        at = torch.arange(hidden.shape[1])[None]
+        valid = ((at >= starts[:, None]) & (at < lengths[:, None])).to(device)
         x = head(hidden)[valid]
         top_ids = pad([f.top_ids[:MAX_LEN] for f in rows]).to(device)[valid]
         top_probs = pad([f.top_probs[:MAX_LEN] for f in rows]).to(device)[valid]

@@ -78,6 +78,31 @@ def test_the_parallel_onnx_model_matches_torch_for_any_token_and_cache_length(ti
     assert keys.shape[3] == len(IDS)
 
 
+def test_the_imitation_loss_reads_the_answers_rows_only(tiny):
+    from argparse import Namespace
+
+    from sled_train.train import step_loss
+
+    t, prompt_len, top = len(IDS), 5, 4
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(t, top, generator=g)
+    feats = D.Features(torch.tensor(IDS), prompt_len, hidden_of(tiny.model, IDS)[0],
+                       torch.randint(tiny.vocab_size, (t, top), generator=g), probs / probs.sum(-1, keepdim=True),
+                       torch.zeros(t, tiny.model.config.hidden_size).half())
+    head, args = ImitationHead(tiny.model, 1, 1), Namespace(kind="imitation", hidden_weight=0.0)
+
+    def loss_with(rows):
+        changed = D.Features(**{**feats.__dict__, "top_ids": feats.top_ids.clone()})
+        changed.top_ids[rows] = (changed.top_ids[rows] + 1) % tiny.vocab_size
+        with torch.no_grad():
+            return step_loss(args, head, [changed], 0, "cpu")
+
+    base = loss_with([])
+    assert torch.equal(loss_with(list(range(prompt_len - 1))), base)  # the prompt's rows: a device never drafts there
+    assert not torch.equal(loss_with([prompt_len - 1]), base)  # the prompt's last row predicts the answer's first token
+    assert not torch.equal(loss_with([t - 1]), base)
+
+
 def test_ctc_collapse_merges_repeats_then_drops_blanks():
     assert ctc_collapse([5, 5, 9, 7, 9, 9, 3], blank=9) == [5, 7, 3]
     assert ctc_collapse([5, 9, 5], blank=9) == [5, 5]  # a blank between repeats keeps both
@@ -146,6 +171,8 @@ def test_an_interrupted_run_resumes_to_the_same_weights_as_one_straight_through(
         assert torch.equal(got["head"][name], tensor), name
     meta = json.loads((broken / f"{kind}.json").read_text())
     assert meta["kind"] == ("parallel" if kind == "parallel" else "autoregressive")
+    held = meta["held_out_prompts"]  # named for sled-bench even when the data was reused
+    assert len(held) == 1 and all(D.held_out(p, 0.1) for p in held)
     card = (broken / f"{kind}.md").read_text()
     assert "held-out acceptance" in card and "random:llama-tiny" in card
     assert "distilled data reused from the work folder" in card  # the resumed run distilled nothing
@@ -223,3 +250,13 @@ def test_a_backbone_must_share_the_targets_tokenizer(tiny, tmp_path, monkeypatch
     monkeypatch.setattr(loader, "load_target", other_vocab)
     with pytest.raises(ValueError, match="another tokenizer"):
         train(parse(argv(tmp_path / "b", "imitation", "--backbone", "random:llama-tiny")), tiny)
+
+
+def test_steps_and_rate_default_by_kind_and_yield_to_the_command_line():
+    from sled_train.cli import KIND_DEFAULTS
+
+    for kind in ("imitation", "parallel"):
+        args = parse([kind, "--output", "d.onnx"])
+        assert (args.steps, args.lr) == (KIND_DEFAULTS[kind]["steps"], KIND_DEFAULTS[kind]["lr"])
+        given = parse([kind, "--output", "d.onnx", "--steps", "7", "--lr", "0.5"])
+        assert (given.steps, given.lr) == (7, 0.5)
