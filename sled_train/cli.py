@@ -20,8 +20,11 @@ import math
 import sys
 from datetime import datetime, timezone
 
-DEFAULTS = dict(layers=8, head_layers=1, heads=4, prompts=192, eval_prompts=24, max_new_tokens=96, steps=300,
-                batch=4, anchors=32, lr=3e-4)
+DEFAULTS = dict(layers=8, head_layers=1, heads=4, prompts=480, eval_prompts=24, max_new_tokens=96, batch=4,
+                anchors=32)
+# by kind: an imitation head starts from a copy of a backbone layer; a parallel head, from an imitation head (--init)
+# or that copy, which a high rate would undo
+KIND_DEFAULTS = {"imitation": dict(steps=1200, lr=1e-3), "parallel": dict(steps=600, lr=3e-4)}
 
 
 def positive(kind):
@@ -68,12 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the share of the corpus held out, by a hash of each prompt (default 0.1)")
     common.add_argument("--max-new-tokens", type=positive(int), default=DEFAULTS["max_new_tokens"],
                         help=f"tokens of the target's answer to each prompt (default {DEFAULTS['max_new_tokens']})")
-    common.add_argument("--steps", type=positive(int), default=DEFAULTS["steps"],
-                        help=f"optimizer steps (default {DEFAULTS['steps']})")
+    common.add_argument("--steps", type=positive(int), help="optimizer steps (default: imitation "
+                        f"{KIND_DEFAULTS['imitation']['steps']}, parallel {KIND_DEFAULTS['parallel']['steps']})")
     common.add_argument("--batch", type=positive(int), default=DEFAULTS["batch"],
                         help=f"sequences a step (default {DEFAULTS['batch']})")
-    common.add_argument("--lr", type=positive(float), default=DEFAULTS["lr"], help="peak learning rate (AdamW, "
-                        f"cosine decay; default {DEFAULTS['lr']})")
+    common.add_argument("--lr", type=positive(float), help="peak learning rate (AdamW, cosine decay; default: "
+                        f"imitation {KIND_DEFAULTS['imitation']['lr']}, parallel {KIND_DEFAULTS['parallel']['lr']})")
     common.add_argument("--seed", type=int, default=0, help="seed of the split, batches and initialisation")
     common.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where training runs")
     common.add_argument("--threads", type=positive(int), help="torch threads on the CPU (default: torch's)")
@@ -109,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv=None) -> argparse.Namespace:
     """The command line's settings, with the defaults that depend on others filled in; ValueError if they clash."""
     args = build_parser().parse_args(argv)
+    for name, value in KIND_DEFAULTS[args.kind].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.kind == "parallel":
         if args.loss == "ce" and args.slots not in (None, args.heads):
             raise ValueError(f"--loss ce trains one slot a token: --slots must be --heads ({args.heads}) or unset")
