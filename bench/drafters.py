@@ -73,6 +73,14 @@ FREE = [
 ]
 
 
+HELD_OUT = 8  # prompts of a trained drafter's held-out set (its .json's, never trained on) run as a fourth set
+
+
+def texts_of(rows: list[dict]) -> list[str]:
+    """The text sets the rows cover, in the order they ran."""
+    return list(dict.fromkeys(r["text"] for r in rows))
+
+
 def policy(k: int, adaptive: bool) -> DraftPolicy:
     """K fixed, or the device's default controller choosing K each round in 1..k."""
     return DraftPolicy(draft_tokens=k, adaptive=adaptive, max_draft_tokens=k)
@@ -272,7 +280,7 @@ def adaptive_goals(rows: list[dict]) -> str:
     out = []
     for name in dict.fromkeys(r["drafter"] for r in rows):
         parts = []
-        for text in ("repetitive", "edit", "free"):
+        for text in texts_of(rows):
             mine = [r for r in rows if r["drafter"] == name and r["text"] == text]
             adaptive = [r for r in mine if r["k"] == "adaptive"]
             fixed = [r for r in mine if r["k"] != "adaptive"]
@@ -305,11 +313,12 @@ def trained_name(meta: dict) -> str:
     return f"trained imitation ({t.get('layers')} layers + {t.get('head_layers')})"
 
 
-def trained_drafters(args, work: Path) -> tuple[dict, list[str]]:
-    """The --trained drafters and --early-exit's, by row name, and each trained one's held-out acceptance line."""
+def trained_drafters(args, work: Path) -> tuple[dict, list[str], list[str]]:
+    """The --trained drafters and --early-exit's, by row name, each trained one's held-out acceptance line, and the
+    held-out prompts of the first that names them."""
     import json
 
-    rows, notes = {}, []
+    rows, notes, held_out = {}, [], []
     if args.early_exit:
         path = str(work / f"early-exit-{args.early_exit}.onnx")
         tool("export_onnx_draft.py", "--output", path, "--layers", str(args.early_exit), "--int8")
@@ -323,12 +332,13 @@ def trained_drafters(args, work: Path) -> tuple[dict, list[str]]:
         name = trained_name(meta)
         rows[name] = ("parallel" if meta.get("kind") == "parallel" else "onnx",
                       DrafterOptions(onnx_model=str(path), threads=DRAFTER_THREADS))
+        held_out = held_out or meta.get("held_out_prompts", [])[:HELD_OUT]
         held = meta.get("held_out")
         if held:
             notes.append(f"- {name}: held-out (its card) mean acceptance length {held['mean_acceptance_length']:.2f} "
                          "at K = 4; drafts whose first 1..4 tokens are all kept: "
                          + ", ".join(f"{p:.2f}" for p in held["acceptance_by_position"]))
-    return rows, notes
+    return rows, notes, held_out
 
 
 def trained_goals(rows: list[dict]) -> str:
@@ -342,7 +352,7 @@ def trained_goals(rows: list[dict]) -> str:
     out = []
 
     def ratios(a, b, key):
-        return ", ".join(f"{text} {by[a, text][key] / by[b, text][key]:.2f}x" for text in ("repetitive", "edit", "free")
+        return ", ".join(f"{text} {by[a, text][key] / by[b, text][key]:.2f}x" for text in texts_of(rows)
                          if (a, text) in by and (b, text) in by)
     for a in imitation:
         for b in early:
@@ -392,10 +402,12 @@ def drafters(args, work: Path) -> tuple[dict, dict]:
 
 def main(args) -> int:
     notes: list[str] = []
+    sets = [("repetitive", REPETITIVE), ("edit", EDIT), ("free", FREE)]
     try:
         work = Path(tempfile.mkdtemp(prefix="sled-drafters-"))
         if args.trained:
-            (compared, notes), stacked_on = trained_drafters(args, work), {}
+            (compared, notes, held_out), stacked_on = trained_drafters(args, work), {}
+            sets += [("held-out", held_out)] if held_out else []
         else:
             compared, stacked_on = drafters(args, work)
     except RuntimeError as err:  # a tool refused (an unknown --requantized type) or failed
@@ -422,7 +434,7 @@ def main(args) -> int:
             tokenizer = Tokenizer()
             for repeat in range(args.repeats):  # every drafter once a repeat, so a slow spell of the host hits all
                 for (name, (kind, opts)), (label, prompts), (mode, mode_k, adaptive) in itertools.product(
-                        compared.items(), (("repetitive", REPETITIVE), ("edit", EDIT), ("free", FREE)), modes):
+                        compared.items(), sets, modes):
                     print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text"
                           + (f", K {mode}" if args.adaptive else "") + " ...", end=" ", flush=True)
                     d = create_drafter(kind, opts)
@@ -474,8 +486,10 @@ def main(args) -> int:
            if args.adaptive else f"K = {args.draft_tokens}")
         + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
-        f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions, chat "
-        f"template; one device, prompts one after another, one drafter instance a set"
+        f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions"
+        + (f", and held-out: the first {len(sets[3][1])} held-out prompts of the first trained drafter's corpus (its "
+           ".json's, never trained on)" if len(sets) > 3 else "")
+        + "; chat template; one device, prompts one after another, one drafter instance a set"
         + (" (and one adaptive controller, as a device keeps)" if args.adaptive else "")
         + f"; {args.repeats} runs of each, "
         "interleaved, and the run of median device tok/s shown\n"

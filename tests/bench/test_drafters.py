@@ -1,5 +1,7 @@
 """sled-bench drafters: the stacked drafters' ratios to the model alone, text set by text set."""
 
+import json
+
 import pytest
 
 from bench.drafters import (copied_tokens, guess_walk, marker, median_run, stack_ceiling, stack_goals, trained_goals,
@@ -130,10 +132,12 @@ def test_trained_rows_are_read_against_the_early_exit_and_the_autoregressive_hea
     rows = [{"drafter": d, "text": t, "tokens_per_s": v, "mean_acceptance_length": m} for d, t, v, m in (
         ("untrained early exit (8 layers)", "edit", 20.0, 1.0), ("untrained early exit (8 layers)", "free", 20.0, 1.1),
         ("trained imitation (8 layers + 1)", "edit", 30.0, 1.5), ("trained imitation (8 layers + 1)", "free", 22.0, 1.1),
-        ("trained parallel, ce (8 layers + 1, 4 slots)", "edit", 33.0, 1.3))]
+        ("trained parallel, ce (8 layers + 1, 4 slots)", "edit", 33.0, 1.3),
+        ("untrained early exit (8 layers)", "held-out", 20.0, 1.0),
+        ("trained imitation (8 layers + 1)", "held-out", 26.0, 1.4))]
     assert trained_goals(rows).splitlines() == [
         "- trained imitation (8 layers + 1) / untrained early exit (8 layers): mean acceptance length edit 1.50x, "
-        "free 1.00x (goal 1.3x); device tok/s edit 1.50x, free 1.10x (goal 1.2x)",
+        "free 1.00x, held-out 1.40x (goal 1.3x); device tok/s edit 1.50x, free 1.10x, held-out 1.30x (goal 1.2x)",
         "- trained parallel, ce (8 layers + 1, 4 slots) / trained imitation (8 layers + 1), device tok/s: edit 1.10x "
         "(goal 1.3x)"]
     meta = {"kind": "parallel", "loss": "ctc", "slots": 6, "trained": {"layers": 8, "head_layers": 1}}
@@ -141,3 +145,22 @@ def test_trained_rows_are_read_against_the_early_exit_and_the_autoregressive_hea
     assert trained_name({"kind": "autoregressive", "trained": {"layers": 8, "head_layers": 2}}) == \
         "trained imitation (8 layers + 2)"
     assert marker(1.0, True, trained=True) != marker(1.0, False, trained=True) != marker(1.0)
+
+
+def test_the_held_out_set_is_the_first_trained_drafters_own(tmp_path):
+    from argparse import Namespace
+
+    from bench.drafters import HELD_OUT, trained_drafters
+
+    held = [f"held-out prompt {i}" for i in range(HELD_OUT + 3)]
+    for name, meta in (("a", {"kind": "autoregressive", "trained": {"layers": 8, "head_layers": 1},
+                              "held_out_prompts": held}),
+                       ("b", {"kind": "parallel", "loss": "ce", "slots": 4, "trained": {"layers": 8, "head_layers": 1},
+                              "held_out_prompts": ["another"]})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(meta))
+    rows, _, prompts = trained_drafters(Namespace(early_exit=None, trained=[str(tmp_path / "a.onnx"),
+                                                                              str(tmp_path / "b.onnx")]), tmp_path)
+    assert prompts == held[:HELD_OUT] and len(rows) == 2
+    (tmp_path / "old.json").write_text(json.dumps({"kind": "autoregressive", "trained": {"layers": 8,
+                                                                                       "head_layers": 1}}))
+    assert trained_drafters(Namespace(early_exit=None, trained=[str(tmp_path / "old.onnx")]), tmp_path)[2] == []
