@@ -487,8 +487,8 @@ def main(args) -> int:
         + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
         f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions"
-        + (f", and held-out: the first {len(sets[3][1])} held-out prompts of the first trained drafter's corpus (its "
-           ".json's, never trained on)" if len(sets) > 3 else "")
+        + (f", and held-out: the first {len(dict(sets)['held-out'])} held-out prompts of the first trained drafter's "
+           "corpus (its .json's, never trained on)" if "held-out" in dict(sets) else "")
         + "; chat template; one device, prompts one after another, one drafter instance a set"
         + (" (and one adaptive controller, as a device keeps)" if args.adaptive else "")
         + f"; {args.repeats} runs of each, "
