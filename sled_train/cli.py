@@ -24,7 +24,7 @@ DEFAULTS = dict(layers=8, head_layers=1, heads=4, prompts=480, eval_prompts=24, 
                 anchors=32)
 # by kind: an imitation head starts from a copy of a backbone layer; a parallel head, from an imitation head (--init)
 # or that copy, which a high rate would undo
-KIND_DEFAULTS = {"imitation": dict(steps=1200, lr=1e-3), "parallel": dict(steps=600, lr=3e-4)}
+KIND_DEFAULTS = {"imitation": dict(steps=1200, lr=1e-3), "parallel": dict(steps=600, lr=1e-3)}
 
 
 def positive(kind):

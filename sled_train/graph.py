@@ -147,24 +147,32 @@ class DraftGraph(torch.nn.Module):
         return self.head(h), torch.stack(keys), torch.stack(values)
 
 
-class ParallelGraph(DraftGraph):
-    """A backbone (causal over the context) and head blocks in which S slots, each the last token's hidden state
-    plus a learned slot vector, attend to the whole context and bidirectionally to each other (SpecFormer's draft
-    block). One forward gives every slot's distribution; a CTC head adds a blank logit."""
+def slot_rows(rows: torch.Tensor, maps: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """rows [..., hidden] -> [..., S - 1, hidden]: each slot row is the row plus its own map of it (a residual
+    SiLU layer on the normed row), so each slot can learn what its position asks of the context."""
+    x = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
+    return rows[..., None, :] + F.silu(torch.einsum("...d,sde->...se", x, maps) + bias)
 
-    def __init__(self, model, backbone: list[Block], head: list[Block], slots: torch.nn.Parameter,
-                 blank: torch.nn.Linear | None):
+
+class ParallelGraph(DraftGraph):
+    """A backbone (causal over the context) and head blocks, in which slot 0 is the last context row and S - 1 slot
+    rows, each that row's hidden state moved by its own learned map (slot_rows), attend to the whole context and
+    bidirectionally to each other (SpecFormer's draft block). One forward gives every slot's distribution; a CTC
+    head adds a blank logit."""
+
+    def __init__(self, model, backbone: list[Block], head: list[Block], slot_maps: torch.nn.Parameter,
+                 slots: torch.nn.Parameter, blank: torch.nn.Linear | None):
         super().__init__(model, backbone + head)
         self.backbone_len = len(backbone)
-        self.slots = slots
+        self.slot_maps, self.slots = slot_maps, slots  # [S - 1, hidden, hidden], [S - 1, hidden]
         self.blank = blank
 
     def forward(self, input_ids, past_keys, past_values):
         n, past = input_ids.shape[1], past_keys.shape[3]
         s = self.slots.shape[0]
         h, keys, values = self.context(input_ids, past_keys, past_values, self.blocks[:self.backbone_len])
-        x = torch.cat([h, h[:, -1:] + self.slots[None]], dim=1)
-        positions = torch.cat([torch.arange(n), torch.arange(s) + n - 1]) + past  # slot j at the last position + j
+        x = torch.cat([h, slot_rows(h[:, -1], self.slot_maps, self.slots, self.eps)], dim=1)
+        positions = torch.cat([torch.arange(n), torch.arange(s) + n]) + past  # slot j at the last position + j
         cos, sin = rope(positions[None], self.freqs)
         # context rows are causal and never see the slots; slot rows see everything
         top = torch.cat([causal_mask(past, n), torch.full((n, s), float("-inf"))], dim=1)
@@ -174,9 +182,10 @@ class ParallelGraph(DraftGraph):
             x, k, v = block(x, cos, sin, mask, past_keys[i], past_values[i])
             keys.append(k[:, :, :past + n])
             values.append(v[:, :, :past + n])
-        logits = self.head(x[:, n:])
+        rows = x[:, n - 1:]  # the last context row (slot 0), then the slot rows
+        logits = self.head(rows)
         if self.blank is not None:
-            logits = torch.cat([logits, self.blank(rms(x[:, n:], self.norm_w, self.eps))], dim=-1)
+            logits = torch.cat([logits, self.blank(rms(rows, self.norm_w, self.eps))], dim=-1)
         return logits, torch.stack(keys), torch.stack(values)
 
 

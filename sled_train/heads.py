@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .graph import Block, DraftGraph, ParallelGraph, blocks_of, causal_mask, inv_freq, rms, rope
+from .graph import Block, DraftGraph, ParallelGraph, blocks_of, causal_mask, inv_freq, rms, rope, slot_rows
 
 
 def head_blocks(model, layers: int, count: int) -> list[Block]:
@@ -55,9 +55,10 @@ class ImitationHead(Head):
 
 
 class ParallelHead(Head):
-    """SpecFormer's draft block: S slot rows, each the last context row's hidden state plus a learned vector, attend
-    causally to the context and bidirectionally to each other; with `blank`, a CTC head's extra logit. Slot j sits at
-    the last context position + j, so slot 0 starts as that row's own next-token prediction."""
+    """SpecFormer's draft block: slot 0 is the last context row itself (what an imitation head drafts there), and
+    S - 1 more slot rows, each that row's hidden state moved by its own learned residual map (slot_rows), attend
+    causally to the context and bidirectionally to each other; with `blank`, a CTC head's extra logit. Slot j sits
+    at the last context position + j."""
 
     kind = "parallel"
 
@@ -65,36 +66,41 @@ class ParallelHead(Head):
         super().__init__(model, layers, count)
         hidden = model.config.hidden_size
         g = torch.Generator().manual_seed(seed)
-        self.slots = torch.nn.Parameter(torch.randn(slots, hidden, generator=g) * 0.02)
+        # slots 1..S-1: each its own residual map of the anchor row (Medusa's heads), zero at the start
+        self.slot_maps = torch.nn.Parameter(torch.zeros(slots - 1, hidden, hidden))
+        self.slots = torch.nn.Parameter(torch.randn(slots - 1, hidden, generator=g) * 0.02)
         self.blank = torch.nn.Linear(hidden, 1) if blank else None
         if blank:
             torch.nn.init.zeros_(self.blank.weight)
             torch.nn.init.constant_(self.blank.bias, -2.0)
 
     def forward(self, hidden, anchors):
-        """hidden [B, T, hidden]; anchors [B, A] (context ends, each its own slots) -> slot rows normed
-        [B, A, S, hidden]."""
+        """hidden [B, T, hidden]; anchors [B, A] (context ends, each its own slots) -> the slot rows normed
+        [B, A, S, hidden] and the context rows normed [B, T, hidden] (each its imitation of the next token)."""
         b, t, d = hidden.shape
         a, s, dev = anchors.shape[1], self.slots.shape[0], hidden.device
         rows = torch.gather(hidden, 1, anchors[..., None].expand(b, a, d))  # [B, A, hidden]
-        slots = (rows[:, :, None] + self.slots[None, None]).reshape(b, a * s, d)
+        slots = slot_rows(rows, self.slot_maps, self.slots, self.eps).reshape(b, a * s, d)
         x = torch.cat([hidden, slots], dim=1)
-        slot_pos = (anchors[..., None] + torch.arange(s, device=dev)).reshape(b, a * s)
+        slot_pos = (anchors[..., None] + 1 + torch.arange(s, device=dev)).reshape(b, a * s)
         positions = torch.cat([torch.arange(t, device=dev)[None].expand(b, t), slot_pos], dim=1)
         x = self.run(x, positions, self.mask(anchors.cpu(), t, s).to(dev))
-        return self.norm(x[:, t:].reshape(b, a, s, d))
+        context = x[:, :t]
+        first = torch.gather(context, 1, anchors[..., None].expand(b, a, d))[:, :, None]  # slot 0: the anchor row
+        return self.norm(torch.cat([first, x[:, t:].reshape(b, a, s, d)], dim=2)), self.norm(context)
 
     @staticmethod
     def mask(anchors, t: int, s: int) -> torch.Tensor:
-        """[B, 1, T + A*S, T + A*S]: the context causal; anchor a's slots see the context up to it and its own slots."""
+        """[B, 1, T + A*s, T + A*s] for s extra slots an anchor: the context causal; anchor a's slots see the context
+        up to it and its own slots."""
         b, a = anchors.shape
         n = t + a * s
         allowed = torch.zeros(b, n, n, dtype=torch.bool)
         allowed[:, :t, :t] = torch.ones(t, t, dtype=torch.bool).tril()
         ctx = torch.arange(t)[None, None] <= anchors[..., None]  # [B, A, T]
         allowed[:, t:, :t] = ctx[:, :, None].expand(b, a, s, t).reshape(b, a * s, t)
-        own = torch.block_diag(*[torch.ones(s, s, dtype=torch.bool)] * a)
-        allowed[:, t:, t:] = own
+        for i in range(a):
+            allowed[:, t + i * s:t + (i + 1) * s, t + i * s:t + (i + 1) * s] = True
         return torch.where(allowed, 0.0, float("-inf"))[:, None]
 
     def slot_logits(self, x):  # normed slot rows -> [..., vocab (+1)]
@@ -104,7 +110,8 @@ class ParallelHead(Head):
         return logits
 
     def graph(self, model) -> ParallelGraph:
-        return ParallelGraph(model, blocks_of(model, self.layers), list(self.blocks), self.slots, self.blank)
+        return ParallelGraph(model, blocks_of(model, self.layers), list(self.blocks), self.slot_maps, self.slots,
+                             self.blank)
 
 
 def soft_cross_entropy(logits, top_ids, top_probs):

@@ -185,22 +185,27 @@ def anchors_of(f: D.Features, k: int) -> torch.Tensor:
     return torch.arange(f.prompt_len - 1, end + 1)
 
 
+def imitation_loss(args, head, x, rows: list[D.Features], device) -> torch.Tensor:
+    """The KL to the target over the answers' rows (from the prompt's last row): a device drafts there, never in a
+    prompt. x: the head's normed rows [B, T, hidden]."""
+    lengths = torch.tensor([min(len(f.ids), MAX_LEN) for f in rows])
+    starts = torch.tensor([f.prompt_len - 1 for f in rows])
+    at = torch.arange(x.shape[1])[None]
+    valid = ((at >= starts[:, None]) & (at < lengths[:, None])).to(device)
+    x = x[valid]
+    top_ids = pad([f.top_ids[:MAX_LEN] for f in rows]).to(device)[valid]
+    top_probs = pad([f.top_probs[:MAX_LEN] for f in rows]).to(device)[valid]
+    loss = soft_cross_entropy(head.logits(x), top_ids, top_probs).mean()
+    if getattr(args, "hidden_weight", 0):
+        final = pad([f.final[:MAX_LEN] for f in rows]).to(device)[valid].float()
+        loss = loss + args.hidden_weight * F.mse_loss(x, final)
+    return loss
+
+
 def step_loss(args, head, rows: list[D.Features], step: int, device) -> torch.Tensor:
     hidden = pad([f.hidden[:MAX_LEN] for f in rows]).to(device)
     if args.kind == "imitation":
-        # the loss covers the answers only (from the prompt's last row): a device drafts there, never in a prompt
-        lengths = torch.tensor([min(len(f.ids), MAX_LEN) for f in rows])
-        starts = torch.tensor([f.prompt_len - 1 for f in rows])
-        at = torch.arange(hidden.shape[1])[None]
-        valid = ((at >= starts[:, None]) & (at < lengths[:, None])).to(device)
-        x = head(hidden)[valid]
-        top_ids = pad([f.top_ids[:MAX_LEN] for f in rows]).to(device)[valid]
-        top_probs = pad([f.top_probs[:MAX_LEN] for f in rows]).to(device)[valid]
-        loss = soft_cross_entropy(head.logits(x), top_ids, top_probs).mean()
-        if args.hidden_weight:
-            final = pad([f.final[:MAX_LEN] for f in rows]).to(device)[valid].float()
-            loss = loss + args.hidden_weight * F.mse_loss(x, final)
-        return loss
+        return imitation_loss(args, head, head(hidden), rows, device)
     k, g = args.heads, torch.Generator().manual_seed(args.seed * 1_000_003 + step + 7)
     anchors = []
     for f in rows:
@@ -208,14 +213,17 @@ def step_loss(args, head, rows: list[D.Features], step: int, device) -> torch.Te
         anchors.append(choices[torch.randint(len(choices), (args.anchors,), generator=g)])
     at = [torch.stack([a + j for j in range(k)], dim=-1) for a in anchors]  # [A, K]: slot j's position
     anchors = torch.stack(anchors).to(device)  # [B, A]
-    logits = head.slot_logits(head(hidden, anchors))  # [B, A, S, V (+1)]
+    slots, context = head(hidden, anchors)
+    logits = head.slot_logits(slots)  # [B, A, S, V (+1)]
+    # slot 0 is an anchor's own row: every answer row is trained as the imitation head's are
+    first = imitation_loss(args, head, context, rows, device)
     if args.loss == "ce":  # slot j against the target's distribution after the answer up to anchor + j
         top_ids = torch.stack([f.top_ids[a] for f, a in zip(rows, at)]).to(device)  # [B, A, K, TOP_K]
         top_probs = torch.stack([f.top_probs[a] for f, a in zip(rows, at)]).to(device)
-        return soft_cross_entropy(logits[:, :, :k], top_ids, top_probs).mean()
+        return first + soft_cross_entropy(logits[:, :, :k], top_ids, top_probs).mean()
     targets = torch.stack([f.ids[a + 1] for f, a in zip(rows, at)]).to(device)  # [B, A, K]: the answer's tokens
     blank = logits.shape[-1] - 1
-    return ctc_loss(logits.reshape(-1, *logits.shape[2:]), targets.reshape(-1, k), blank).mean()
+    return first + ctc_loss(logits.reshape(-1, *logits.shape[2:]), targets.reshape(-1, k), blank).mean()
 
 
 def fit(args, head, feats, config, ckpt: Path, device):
@@ -302,7 +310,7 @@ def evaluate(head, feats: list[D.Features], device, k: int = EVAL_K) -> dict:
             kept += runs([choice[a:a + k].tolist() for a in anchors], truth)
             base += runs([early[a:a + k].tolist() for a in anchors], truth)
         else:
-            logits = head.slot_logits(head(hidden, anchors[None].to(device)))[0]  # [A, S, V (+1)]
+            logits = head.slot_logits(head(hidden, anchors[None].to(device))[0])[0]  # [A, S, V (+1)]
             choice = logits.argmax(-1).cpu().tolist()
             if head.blank is not None:
                 choice = [ctc_collapse(c, logits.shape[-1] - 1)[:k] for c in choice]

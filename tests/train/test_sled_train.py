@@ -51,8 +51,9 @@ def test_imitation_graph_computes_what_was_trained(tiny):
 def test_parallel_graph_computes_what_was_trained_with_the_cache(tiny, blank):
     head = ParallelHead(tiny.model, 1, 1, slots=3, blank=blank, seed=0).eval()
     with torch.no_grad():
+        head.slot_maps.normal_(0, 0.05)  # as if trained
         hidden = hidden_of(tiny.model, IDS)
-        want = head.slot_logits(head(hidden, torch.tensor([[len(IDS) - 1, 6]])))[0]  # two anchors
+        want = head.slot_logits(head(hidden, torch.tensor([[len(IDS) - 1, 6]]))[0])[0]  # two anchors
         graph = head.graph(tiny.model).eval()
         _, keys, values = graph(torch.tensor([IDS[:4]]), empty_cache(graph), empty_cache(graph))
         got, keys, _ = graph(torch.tensor([IDS[4:]]), keys, values)
@@ -65,6 +66,8 @@ def test_parallel_graph_computes_what_was_trained_with_the_cache(tiny, blank):
 
 def test_the_parallel_onnx_model_matches_torch_for_any_token_and_cache_length(tiny, tmp_path):
     head = ParallelHead(tiny.model, 1, 1, slots=4, blank=True, seed=1).eval()
+    with torch.no_grad():
+        head.slot_maps.normal_(0, 0.05)
     graph = head.graph(tiny.model).eval()
     write_onnx(graph, tmp_path / "p.onnx", ("slot_logits", "present_keys", "present_values"), False, log=lambda m: None)
     s = ort.InferenceSession(str(tmp_path / "p.onnx"))
@@ -233,6 +236,22 @@ def test_a_parallel_head_starts_from_an_imitation_checkpoint_of_the_same_shape(t
     with pytest.raises(ValueError, match="--head-layers 2"):
         start_from(ParallelHead(tiny.model, 1, 2, slots=4, blank=False, seed=0), ckpt,
                    parse(argv(tmp_path, "parallel", "--head-layers", "2")))
+
+
+def test_a_parallel_heads_first_slot_is_the_imitation_heads_token_at_its_anchor(tiny):
+    imitation = ImitationHead(tiny.model, 1, 1).eval()
+    with torch.no_grad():
+        imitation.blocks[0].o.weight.add_(torch.randn_like(imitation.blocks[0].o.weight) * 0.05)  # as if trained
+    head = ParallelHead(tiny.model, 1, 1, slots=3, blank=False, seed=0).eval()
+    head.load_state_dict(imitation.state_dict(), strict=False)
+    anchors = torch.tensor([[4, 9]])
+    with torch.no_grad():
+        hidden = hidden_of(tiny.model, IDS)
+        slots, context = head(hidden, anchors)
+        want = imitation.logits(imitation(hidden))[0, anchors[0]]
+    assert torch.allclose(head.slot_logits(slots)[0, :, 0], want, atol=1e-4)
+    assert torch.allclose(head.logits(context)[0, anchors[0]], want, atol=1e-4)
+    assert not torch.allclose(head.slot_logits(slots)[0, :, 1], want, atol=1e-2)  # the other slots are their own
 
 
 def test_a_backbone_must_share_the_targets_tokenizer(tiny, tmp_path, monkeypatch):
