@@ -22,8 +22,7 @@ from datetime import datetime, timezone
 
 DEFAULTS = dict(layers=8, head_layers=1, heads=4, prompts=480, eval_prompts=24, max_new_tokens=96, batch=4,
                 anchors=32)
-# by kind: an imitation head starts from a copy of a backbone layer; a parallel head, from an imitation head (--init)
-# or that copy, which a high rate would undo
+# by kind: a parallel head starts from an imitation head (--init) and trains its slots, in fewer steps
 KIND_DEFAULTS = {"imitation": dict(steps=1200, lr=1e-3), "parallel": dict(steps=600, lr=1e-3)}
 
 
@@ -116,6 +115,8 @@ def parse(argv=None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.kind == "parallel":
+        if args.heads < 2:
+            raise ValueError("--heads must be at least 2: one token a forward is `sled-train imitation`")
         if args.loss == "ce" and args.slots not in (None, args.heads):
             raise ValueError(f"--loss ce trains one slot a token: --slots must be --heads ({args.heads}) or unset")
         args.slots = args.slots or (args.heads + args.heads // 2 if args.loss == "ctc" else args.heads)

@@ -198,6 +198,7 @@ def test_a_torn_data_file_is_distilled_again_not_trusted(tiny, tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["--loss", "ce", "--slots", "6"], "--slots must be --heads"),
     (["--loss", "ctc", "--slots", "3"], "must be at least --heads"),
+    (["--heads", "1"], "--heads must be at least 2"),
 ])
 def test_slot_settings_that_clash_are_refused(tmp_path, capsys, extra, message):
     assert main(argv(tmp_path, "parallel", *extra)) == 2
