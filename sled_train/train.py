@@ -234,7 +234,7 @@ def fit(args, head, feats, config, ckpt: Path, device):
         raise ValueError("no training sequence is long enough; raise --max-new-tokens")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    step, losses = 0, []
+    step, losses, before = 0, [], 0.0  # before: training seconds of the runs this one resumes
     if args.resume:
         if not ckpt.is_file():
             raise FileNotFoundError(f"--resume: {ckpt} does not exist")
@@ -245,7 +245,7 @@ def fit(args, head, feats, config, ckpt: Path, device):
                              "--work or the same settings")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["optim"])
-        step, losses = state["step"], state["losses"]
+        step, losses, before = state["step"], state["losses"], state.get("seconds", 0.0)
         log(f"[train] resumed at step {step} of {args.steps}")
     elif ckpt.is_file():
         raise ValueError(f"{ckpt} exists; pass --resume to go on from it, or give another --work")
@@ -270,9 +270,9 @@ def fit(args, head, feats, config, ckpt: Path, device):
             if step % args.save_every == 0 or step == args.steps:
                 tmp = ckpt.with_suffix(".tmp")
                 torch.save({"config": config, "head": head.state_dict(), "optim": opt.state_dict(), "step": step,
-                            "losses": losses}, tmp)
+                            "losses": losses, "seconds": before + time.time() - start}, tmp)
                 os.replace(tmp, ckpt)
-    return {"steps": step, "seconds": time.time() - start}, losses
+    return {"steps": step, "seconds": before + time.time() - start}, losses
 
 
 def runs(drafted: list[list[int]], truth: list[list[int]]) -> list[int]:

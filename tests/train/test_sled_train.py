@@ -167,7 +167,10 @@ def test_an_interrupted_run_resumes_to_the_same_weights_as_one_straight_through(
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
     with pytest.raises(ValueError, match="--resume"):  # nothing is overwritten without it
         train(parse(argv(broken, kind, *more)), tiny)
-    train(parse(argv(broken, kind, *more, "--resume")), tiny)
+    interrupted = torch.load(broken / "work" / f"{kind}.checkpoint.pt", weights_only=False)
+    report = train(parse(argv(broken, kind, *more, "--resume")), tiny)
+    # the card's training time counts the interrupted run's steps too
+    assert report["train"]["seconds"] > interrupted["seconds"] > 0
     got = torch.load(broken / "work" / f"{kind}.checkpoint.pt", weights_only=False)
     assert got["step"] == want["step"] == 4 and got["losses"] == want["losses"]
     for name, tensor in want["head"].items():
