@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from edge_client.drafters import DrafterOptions, create_drafter
+from edge_client.round import step_ahead
 from edge_client.sampling import SamplingParams
 from kernels.rejection_sampler import DraftBatch, SamplingBatch, rejection_sample, target_probs
 from sled_train.cli import parse
@@ -109,3 +110,22 @@ def test_sampling_with_a_parallel_drafters_q_keeps_the_target_distribution(train
     past = [i for i in range(n) if acc[i] >= 1]
     chi2_ok(np.array([drafts[cu[i] + 1] if acc[i] >= 2 else nxt[i] for i in past]), p[1])
     assert 0 < acc.mean() < k  # drafts were really exercised
+
+
+@pytest.mark.parametrize("name", ["parallel-ce", "parallel-ctc"])
+def test_a_parallel_drafter_drafts_ahead_its_slots_from_one_forward(trained, name):
+    """Drafting ahead (while a draft is verified) takes every slot's token from one forward, the tokens propose
+    gives, where a plain drafter takes one token a forward."""
+    _, path = trained[name]
+    drafter = create_drafter("parallel", DrafterOptions(onnx_model=str(path), context_size=512, threads=1))
+    context = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 30]
+    drafter.begin(context, SamplingParams())
+    forwards, run_model = [], drafter.session.run
+    drafter.session.run = lambda *a, **k: forwards.append(1) or run_model(*a, **k)
+    ahead = step_ahead(drafter, context, 3)
+    assert len(forwards) == 1 and ahead.token_ids
+    if name == "parallel-ce":  # a CE slot always drafts; a CTC one may say blank or repeat
+        assert len(ahead.token_ids) == 3 or ahead.token_ids[-1] in drafter.eos_ids
+    assert drafter.propose(context, 3).token_ids == ahead.token_ids
+    assert len(forwards) == 1  # the cache already held the context
+    drafter.close()
