@@ -151,7 +151,7 @@ def slot_rows(rows: torch.Tensor, maps: torch.Tensor, bias: torch.Tensor, eps: f
     """rows [..., hidden] -> [..., S - 1, hidden]: each slot row is the row plus its own map of it (a residual
     SiLU layer on the normed row), so each slot can learn what its position asks of the context."""
     x = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
-    s, d, e = maps.shape  # one MatMul for all slots (an ONNX Einsum runs several times slower on the CPU)
+    s, d, e = maps.shape  # one MatMul for all slots: ONNX Runtime's Einsum is slow on the CPU and int8 leaves it fp32
     moved = (x @ maps.permute(1, 0, 2).reshape(d, s * e)).unflatten(-1, (s, e))
     return rows[..., None, :] + F.silu(moved + bias)
 
