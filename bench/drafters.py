@@ -346,6 +346,8 @@ def trained_goals(rows: list[dict]) -> str:
     against the trained autoregressive row (tok/s), text set by text set."""
     by = {(r["drafter"], r["text"]): r for r in rows}
     names = list(dict.fromkeys(r["drafter"] for r in rows))
+    k = rows[0].get("k") if rows else None
+    at = f" at K = {k}" if k and k != "adaptive" else ""
     early = [n for n in names if n.startswith("untrained early exit")]
     imitation = [n for n in names if n.startswith("trained imitation")]
     parallel = [n for n in names if n.startswith("trained parallel")]
@@ -356,11 +358,11 @@ def trained_goals(rows: list[dict]) -> str:
                          if (a, text) in by and (b, text) in by)
     for a in imitation:
         for b in early:
-            out.append(f"- {a} / {b}: mean acceptance length {ratios(a, b, 'mean_acceptance_length')} (goal 1.3x); "
+            out.append(f"- {a} / {b}{at}: mean acceptance length {ratios(a, b, 'mean_acceptance_length')} (goal 1.3x); "
                        f"device tok/s {ratios(a, b, 'tokens_per_s')} (goal 1.2x)")
     for a in parallel:
         for b in imitation:
-            out.append(f"- {a} / {b}, device tok/s: {ratios(a, b, 'tokens_per_s')} (goal 1.3x)")
+            out.append(f"- {a} / {b}{at}, device tok/s: {ratios(a, b, 'tokens_per_s')} (goal 1.3x)")
     return "\n".join(out)
 
 
@@ -472,7 +474,9 @@ def main(args) -> int:
         f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
         for model, cost in costs.items()
     ]
-    goals = trained_goals(main_rows) if args.trained else stack_goals(main_rows, stacked_on)
+    # the trained drafters' goals are set at K = --draft-tokens, beside an adaptive run's K too
+    at_k = [r for r in rows if r["k"] == str(k)] or main_rows
+    goals = trained_goals(at_k) if args.trained else stack_goals(main_rows, stacked_on)
     goals = "\n".join(g for g in (adaptive_goals(rows) if args.adaptive else "", goals) if g)
     table = "\n".join(lines) + "\n\n" + "\n".join([goals, *notes, *checked, *walks, *ceilings])
     print("\n" + table)
