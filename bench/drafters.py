@@ -341,13 +341,13 @@ def trained_drafters(args, work: Path) -> tuple[dict, list[str], list[str]]:
     return rows, notes, held_out
 
 
-def trained_goals(rows: list[dict]) -> str:
+def trained_goals(rows: list[dict], rows_are: str | None = None) -> str:
     """Each trained imitation row against the early exit (acceptance length and tok/s), and each parallel row
-    against the trained autoregressive row (tok/s), text set by text set."""
+    against the trained autoregressive row (tok/s), text set by text set; `rows_are` says at which K (an adaptive
+    run's section has several)."""
     by = {(r["drafter"], r["text"]): r for r in rows}
     names = list(dict.fromkeys(r["drafter"] for r in rows))
-    k = rows[0].get("k") if rows else None
-    at = f" at K = {k}" if k and k != "adaptive" else ""
+    at = f" {rows_are}" if rows_are else ""
     early = [n for n in names if n.startswith("untrained early exit")]
     imitation = [n for n in names if n.startswith("trained imitation")]
     parallel = [n for n in names if n.startswith("trained parallel")]
@@ -474,9 +474,14 @@ def main(args) -> int:
         f"drafting time: at most {1 / stack_ceiling(k, cost):.2f}x faster drafting, before any verification time"
         for model, cost in costs.items()
     ]
-    # the trained drafters' goals are set at K = --draft-tokens, beside an adaptive run's K too
-    at_k = [r for r in rows if r["k"] == str(k)] or main_rows
-    goals = trained_goals(at_k) if args.trained else stack_goals(main_rows, stacked_on)
+    # the trained drafters' goals are set at K = --draft-tokens: an adaptive run reads them on its rows at that K
+    at_k = [r for r in rows if r["k"] == str(k)] if args.adaptive else []
+    if not args.trained:
+        goals = stack_goals(main_rows, stacked_on)
+    elif at_k:
+        goals = trained_goals(at_k, f"at K = {k}")
+    else:
+        goals = trained_goals(main_rows, "under the adaptive K" if args.adaptive else None)
     goals = "\n".join(g for g in (adaptive_goals(rows) if args.adaptive else "", goals) if g)
     table = "\n".join(lines) + "\n\n" + "\n".join([goals, *notes, *checked, *walks, *ceilings])
     print("\n" + table)
