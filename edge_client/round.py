@@ -86,9 +86,10 @@ class RoundHooks:
 
 
 def step_ahead(drafter: Drafter, context: list[int], limit: int) -> Proposal:
-    """One step of drafting ahead: a token, or a stacked drafter's checked guesses (several from one forward)."""
-    stacked = getattr(drafter, "step_ahead", None)
-    return stacked(context, limit) if stacked else drafter.propose(context, 1)
+    """One step of drafting ahead: a token, or several from one forward where the drafter has its own step (a
+    stacked drafter's checked guesses, a parallel drafter's slots)."""
+    own = getattr(drafter, "step_ahead", None)
+    return own(context, limit) if own else drafter.propose(context, 1)
 
 
 class Round:
