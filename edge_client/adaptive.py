@@ -46,6 +46,10 @@ class RoundSample:
     # the time from the verdict before to this one: the round as the device lives it, everything the model leaves out
     # included (None: a session's first round, or not measured)
     cycle_s: float | None = None
+    # the drafter's time per token drafted while the draft was verified (beside the server's step, on a shared
+    # machine) and per token drafted before it went out (None: none drafted so)
+    ahead_token_s: float | None = None
+    alone_token_s: float | None = None
 
 
 # Confidence bins, by their upper edges: [0, 0.1), [0.1, 0.2), ... [0.9, 0.95), [0.95, 1].
@@ -99,21 +103,36 @@ class RoundCost:
     late: float  # what a draft that misses the batching window its verdict's step opened waits for the next step
     ahead: bool
     k_max: int
+    # the drafter's time per token while a draft is verified and before one goes out, where they differ (a device
+    # sharing the server's machine drafts slower beside its step): None, t_draft
+    t_ahead: float | None = None
+    t_alone: float | None = None
+
+    @property
+    def ahead_s(self) -> float:
+        return self.t_draft if self.t_ahead is None else self.t_ahead
+
+    @property
+    def alone_s(self) -> float:
+        return self.t_draft if self.t_alone is None else self.t_alone
 
     def tokens(self, k: int) -> float:
         """Committed by a round that drafts k."""
         return (1 - self.alpha ** (k + 1)) / (1 - self.alpha)
 
     def seconds(self, k: int) -> float:
-        """That round's time."""
+        """That round's time. Drafting ahead, the round trip covers the tokens drafted meanwhile (at the drafter's
+        pace beside the step); the rest of the next draft is drafted after the verdict, at its pace alone."""
         rtt = self.fixed + self.c * (k + 1)
+        alone, beside = self.alone_s, self.ahead_s
         if not self.ahead:
-            return self.device + max(0.0, k * self.t_draft - self.hidden) + rtt
+            return self.device + max(0.0, k * alone - self.hidden) + rtt
         hit = self.alpha ** (k + 1)
-        if rtt < (self.k_max + 1) * self.t_draft:  # still drafting ahead when the verdict comes
-            rtt += self.t_draft / 2
-        return (self.device + rtt + hit * max(0.0, (k + 1) * self.t_draft - rtt - self.hidden)
-                + (1 - hit) * max(0.0, k * self.t_draft - self.hidden))
+        if rtt < (self.k_max + 1) * beside:  # still drafting ahead when the verdict comes: that token is finished
+            rtt += beside / 2
+        drafted = min(rtt / beside, self.k_max + 1.0) if beside > 0 else self.k_max + 1.0
+        return (self.device + rtt + hit * max(0.0, (k + 1 - drafted) * alone - self.hidden)
+                + (1 - hit) * max(0.0, k * alone - self.hidden))
 
     def answer_now(self, k: int, ready: int, busy: bool) -> bool:
         """Whether a verdict answered at once with the `ready` tokens drafted (0: the server's token alone) commits
@@ -126,7 +145,7 @@ class RoundCost:
         part = 0.5 if busy else 0.0
         now = self.tokens(ready + part) / (self.device + self.fixed + self.c * (ready + 1))
         finished = self.tokens(k) / (self.device + self.fixed + self.c * (k + 1) + self.late
-                                     + max(0.0, (k - ready - part) * self.t_draft - self.hidden))
+                                     + max(0.0, (k - ready - part) * self.alone_s - self.hidden))
         return now >= finished
 
 
@@ -155,7 +174,9 @@ class DraftModes:
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
     FIRST_SPELL = 256  # committed tokens
-    SWITCH_MARGIN = 0.02  # a challenger's lead over its reference that counts, beside the trials' noise
+    # A challenger's lead over its reference that counts: a trial's rate moves by far more than the modes differ, and
+    # a wrong switch costs a whole spell.
+    SWITCH_MARGIN = 0.05
 
     def __init__(self, k_max: int, try_fixed: bool = True, worth: Callable[[int], bool] = lambda k: True):
         self.k_max = k_max
@@ -443,8 +464,12 @@ class AdaptiveDraftLength:
         stepped = [s.step_s for s in self.samples if s.step_s > 0]
         # A draft that misses the batching window its verdict's step opens waits for the step the others are in.
         late = (sum(stepped) / len(stepped)) * (1.0 - 1.0 / sessions) if stepped else 0.0
+        beside = [s.ahead_token_s for s in self.samples if s.ahead_token_s is not None]
+        alone = [s.alone_token_s for s in self.samples if s.alone_token_s is not None]
         self.cost = cost = RoundCost(alpha, t_draft, c, fixed, sum(devices) / len(devices) if devices else 0.0,
-                                     hidden, late, self.ahead, self.k_max)
+                                     hidden, late, self.ahead, self.k_max,
+                                     sum(beside) / len(beside) if beside else None,
+                                     sum(alone) / len(alone) if alone else None)
         tokens, seconds = cost.tokens, cost.seconds
         k = max(range(self.k_min, self.k_max + 1), key=lambda k: tokens(k) / seconds(k))
         # The stop rule's thresholds: what one more token adds to the round's time (its share of the step, and its
@@ -463,6 +488,6 @@ class AdaptiveDraftLength:
         # The average token's chance in the rule's own terms (the confidence counts, not the recent rounds' alpha:
         # the two can differ by more than a token's worth of slack, and then average drafts end early).
         self.alpha = sum(self.hit) / sum(self.seen) if sum(self.seen) > 0 else alpha
-        self.threshold = min((c + t_draft) * rate, self.alpha ** (k + 1))
+        self.threshold = min((c + cost.alone_s) * rate, self.alpha ** (k + 1))
         self.keep = min(c * rate, self.threshold)
         return k

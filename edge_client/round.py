@@ -117,6 +117,7 @@ class Round:
         self._waited = False
         self._prompt = False
         self._drafting = [0.0, 0]  # this round's drafter time and tokens, drafting ahead included
+        self._alone = [0.0, 0]  # of those, drafted before the draft went out
         self._blocked = 0.0  # this round's drafting before its draft went out
 
     @property
@@ -162,7 +163,7 @@ class Round:
         raised, with nothing drafted ahead kept."""
         clock, r = self.hooks.clock, self.result
         t_round = clock()
-        self._drafting, self._blocked = [0.0, 0], 0.0
+        self._drafting, self._alone, self._blocked = [0.0, 0], [0.0, 0], 0.0
         proposal, spare = await self._draft(self.rules.draft_length(self.room))
         prompt = self._prompt  # whether it goes out at once when its verdict came (RoundSample.prompt)
         self.hooks.sending(prompt)
@@ -203,12 +204,15 @@ class Round:
         if verdict.next_token is not None:
             committed = committed + [verdict.next_token]
         spent, tokens = self._drafting
+        alone_s, alone = self._alone
+        ahead_s, ahead = spent - alone_s, tokens - alone
         self.rules.controller.observe(RoundSample(
             len(proposal.token_ids), verdict.n_accepted, t_sent - t_round, verdict_at - t_sent,
             verdict.token_ms / 1000.0, spent / tokens if tokens else None, verdict.step_sessions,
             None if proposal.confidence is None else tuple(proposal.confidence), verdict.step_ms / 1000.0,
             verdict.queue_ms / 1000.0, prompt, device_s, len(committed),
-            None if self._answering is None else verdict_at - self._answering[0]))
+            None if self._answering is None else verdict_at - self._answering[0],
+            ahead_s / ahead if ahead else None, alone_s / alone if alone else None))
         r.rounds += 1
         r.draft_tokens += len(proposal.token_ids)
         r.accepted_tokens += verdict.n_accepted
@@ -245,8 +249,10 @@ class Round:
         proposal = await asyncio.to_thread(self.drafter.propose, context, k, stop)
         spent = self.hooks.clock() - t0
         self._drafting[0] += spent
+        self._alone[0] += spent
         self._blocked += spent
         self._drafting[1] += len(proposal.token_ids)
+        self._alone[1] += len(proposal.token_ids)
         return proposal
 
     def _answer_now(self, verify: asyncio.Future, proposal: Proposal, drafting: asyncio.Future) -> Proposal | None:

@@ -1,6 +1,6 @@
 import pytest
 
-from edge_client.adaptive import AdaptiveDraftLength, RoundSample
+from edge_client.adaptive import AdaptiveDraftLength, RoundCost, RoundSample
 from edge_client.policy import DraftPolicy
 
 
@@ -67,6 +67,32 @@ def test_drafting_ahead_prefers_a_draft_ready_within_one_round_trip():
             ctrl.samples.append(RoundSample(4, 4 if i % 3 else 2, 0.0 if ahead else 0.036, 0.025, 0.001, 0.009))
         chosen[ahead] = ctrl.choose()
     assert chosen == {False: 3, True: 2}
+
+
+def test_drafting_beside_the_step_and_alone_are_priced_each_at_its_own_pace():
+    """A device sharing the server's machine drafts slower while its draft is verified (20 ms a token beside the step)
+    than after the verdict (10 ms alone). The round trip covers the tokens drafted beside the step; the rest of the
+    next draft goes at the pace alone. Priced at one blended pace (15 ms), drafting after the verdict looks dear
+    and the model keeps K at 1; priced at each pace, K = 4 commits the most a second (the fixed K that such a device
+    measured fastest)."""
+    blended = RoundCost(0.9, 0.015, 0.001, 0.02, 0.0, 0.0, 0.0, True, 8)
+    paced = RoundCost(0.9, 0.015, 0.001, 0.02, 0.0, 0.0, 0.0, True, 8, t_ahead=0.02, t_alone=0.01)
+    # K = 4: a round trip of 25 ms and the token being drafted then finished (10 ms): 1.75 tokens drafted ahead; a
+    # hit (0.9^5) drafts the other 3.25 of the next draft and its bonus guess alone, a miss all 4
+    hit = 0.9 ** 5
+    assert paced.seconds(4) == pytest.approx(0.035 + hit * 3.25 * 0.01 + (1 - hit) * 4 * 0.01)
+
+    def best(cost):
+        return max(range(1, 9), key=lambda k: cost.tokens(k) / cost.seconds(k))
+
+    assert (best(blended), best(paced)) == (1, 4)
+    # the controller takes both paces from its rounds
+    ctrl = AdaptiveDraftLength(k_max=8, k_initial=4, ahead=True)
+    for i in range(16):
+        ctrl.samples.append(RoundSample(4, 4 if i % 10 else 1, 0.0, 0.025, 0.001, 0.015, ahead_token_s=0.02,
+                                        alone_token_s=0.01))
+    ctrl.choose()
+    assert (ctrl.cost.ahead_s, ctrl.cost.alone_s) == (pytest.approx(0.02), pytest.approx(0.01))
 
 
 def test_the_drafters_own_speed_is_used_when_reported():

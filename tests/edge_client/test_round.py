@@ -144,3 +144,68 @@ def test_a_round_played_by_hand_carries_a_hit_into_the_next_draft_and_commits_th
     assert hooks.sent == [False, True]
     assert result.answered_at_once == 1 and result.rounds == 2
     assert rnd.context == PROMPT + chain[:5]
+
+
+def test_a_round_times_its_drafting_beside_the_verification_apart_from_the_drafting_before_it_goes_out():
+    """RoundSample.ahead_token_s and alone_token_s: on a clock that only the drafter moves, 20 ms a token it evaluates
+    while a draft is verified and 5 ms before one goes out (a device sharing the server's machine drafts slower
+    beside its step), each round reports the two paces apart; the pace over all its drafting lies between."""
+    chain = greedy_chain(cycle(1, 2, 3, 1), 16)
+
+    class Clock(RoundHooks):
+        def __init__(self):
+            self.now, self.ahead, self.reached = 0.0, False, threading.Event()
+
+        def clock(self):
+            return self.now
+
+        def ahead_begins(self):
+            self.ahead = True
+
+        def ahead_ends(self):
+            self.ahead = False
+
+        def ahead_token(self, n, arrived):
+            if n == 3:  # the verdict comes once the bonus guess and one token past it are drafted
+                self.reached.set()
+                arrived.wait(30)
+
+    hooks = Clock()
+
+    class Clocked(TableDrafter):
+        def _eval(self, tokens):
+            hooks.now += (0.02 if hooks.ahead else 0.005) * len(tokens)
+            return super()._eval(tokens)
+
+    class Recorded(FixedDraftLength):
+        samples: list[RoundSample] = []
+
+        def observe(self, sample):
+            self.samples.append(sample)
+
+    async def main():
+        drafter = Clocked(cycle(1, 2, 3, 1))
+        drafter.begin(PROMPT, SamplingParams())
+        result = GenerationResult(prompt_token_ids=list(PROMPT))
+        ctrl = Recorded(3)
+        rnd = Round(drafter, RoundRules(DraftPolicy(draft_tokens=3, adaptive=False), ctrl), PROMPT, result,
+                    max_tokens=16, stop_ids=frozenset({EOS}), hooks=hooks)
+
+        async def send(proposal):
+            hooks.reached.clear()
+            await asyncio.get_running_loop().run_in_executor(None, hooks.reached.wait, 30)
+            n = len(result.token_ids)
+            return Verdict(0, len(proposal.token_ids), chain[n + len(proposal.token_ids)], False, None)
+
+        for _ in range(3):
+            verdict, committed = await rnd.play(send)
+            result.token_ids.extend(committed)
+            rnd.commit(committed)
+        await rnd.settle()
+        return ctrl.samples
+
+    samples = asyncio.run(main())
+    assert len(samples) == 3
+    for s in samples[1:]:  # the first round's drafting before it went out also read the prompt
+        assert s.ahead_token_s == pytest.approx(0.02) and s.alone_token_s == pytest.approx(0.005)
+        assert s.alone_token_s < s.draft_token_s < s.ahead_token_s
