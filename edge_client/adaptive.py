@@ -374,6 +374,13 @@ class AdaptiveDraftLength:
         """Whether the model's way is played now, not a fixed K (DraftModes; never while the server is shared)."""
         return self.shared or self.modes.mode == MODEL
 
+    @property
+    def ahead_k(self) -> int:
+        """The longest next draft that drafting ahead prepares: K_max in the model's way (it may answer with any K up
+        to it), the K played under a fixed K, which drafts no more than a fixed K's device would (drafting past it
+        is thrown away, and takes the machine from the server's step where the two share it)."""
+        return self.k_max if self.model_played else self.k
+
     def played(self, k: int) -> int:
         """The K to draft: the model's `k`, or the fixed K played now, within the bounds."""
         return k if self.model_played else min(max(self.modes.mode, self.k_min), self.k_max)

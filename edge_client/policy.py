@@ -19,7 +19,8 @@ class DraftLength(Protocol):
     """What the round loop asks of a draft-length controller."""
 
     k: int  # this round's draft length
-    k_max: int  # the longest draft; drafting ahead stops one past it
+    k_max: int  # the longest draft
+    ahead_k: int  # the longest next draft that drafting ahead prepares: it stops one past it (after the bonus guess)
 
     def cap(self, server_max: int) -> bool:
         """No draft longer than the server takes; whether that cuts the drafts and this controller had not heard it
@@ -50,6 +51,10 @@ class FixedDraftLength:
 
     def __init__(self, k: int):
         self.k = self.k_max = k
+
+    @property
+    def ahead_k(self) -> int:
+        return self.k_max
 
     def cap(self, server_max: int) -> bool:
         cut = server_max < self.k

@@ -40,7 +40,7 @@ class RoundRules:
     def ahead_limit(self, room: int) -> int:
         """How many tokens to draft ahead past a draft (the bonus guess first), `room` tokens left once the draft and
         its verdict's token are in: the next draft and its bonus, or none without drafting ahead."""
-        return max(0, min(self.controller.k_max + 1, room)) if self.policy.ahead else 0
+        return max(0, min(self.controller.ahead_k + 1, room)) if self.policy.ahead else 0
 
     def verdict_came(self) -> bool:
         """At a verdict, whether it is answered at once, without waiting for the token being drafted ahead: not where

@@ -1,6 +1,8 @@
 """The controller's choice between the model's way and a fixed K, by what each measures (DraftModes)."""
 
 from edge_client.adaptive import MODEL, AdaptiveDraftLength, DraftModes, RoundSample
+from edge_client.policy import DraftPolicy, FixedDraftLength
+from edge_client.round import RoundRules
 
 
 def play(ctrl, rate_of, rounds, accepted=lambda k: k):
@@ -45,6 +47,21 @@ def test_halving_goes_on_while_it_measures_faster():
     rates = {MODEL: 40.0, 8: 50.0, 4: 55.0, 2: 60.0}
     play(ctrl, rates.get, 80)
     assert ctrl.modes.last_best == 2 and ctrl.k == 2
+
+
+def test_a_fixed_k_played_drafts_ahead_no_further_than_a_fixed_k_device_would():
+    """Under a fixed K the next draft is K long: drafting ahead stops after the bonus guess and K past it, as with
+    --no-adaptive (drafting further is thrown away, and on a machine shared with the server it slows the step and
+    leaves the drafter mid-token when the verdict comes). The model's way may answer with any K up to K_max, so it
+    drafts ahead that far."""
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    rules = RoundRules(DraftPolicy(max_draft_tokens=8), ctrl)
+    assert ctrl.model_played and rules.ahead_limit(20) == 9
+    play(ctrl, {MODEL: 40.0, 8: 50.0, 4: 55.0, 2: 60.0}.get, 80)
+    assert ctrl.modes.best == 2 and not ctrl.model_played
+    assert rules.ahead_limit(20) == 3 == RoundRules(DraftPolicy(draft_tokens=2, adaptive=False),
+                                                    FixedDraftLength(2)).ahead_limit(20)
+    assert rules.ahead_limit(2) == 2  # and never past the request's end
 
 
 def test_after_a_spell_the_modes_beside_the_best_are_tried_again_and_a_change_is_followed():
