@@ -118,7 +118,6 @@ class Round:
         self._prompt = False
         self._drafting = [0.0, 0]  # this round's drafter time and tokens, drafting ahead included
         self._alone = [0.0, 0]  # of those, drafted before the draft went out
-        self._blocked = 0.0  # this round's drafting before its draft went out
 
     @property
     def room(self) -> int:
@@ -163,7 +162,7 @@ class Round:
         raised, with nothing drafted ahead kept."""
         clock, r = self.hooks.clock, self.result
         t_round = clock()
-        self._drafting, self._alone, self._blocked = [0.0, 0], [0.0, 0], 0.0
+        self._drafting, self._alone = [0.0, 0], [0.0, 0]
         proposal, spare = await self._draft(self.rules.draft_length(self.room))
         prompt = self._prompt  # whether it goes out at once when its verdict came (RoundSample.prompt)
         self.hooks.sending(prompt)
@@ -179,7 +178,7 @@ class Round:
                  else ((t_sent - self._answering[0]) * 1000.0, self._answering[1]))
         # what the device spent between the verdict and this draft on neither drafting nor the drafter's token
         device_s = (None if self._answering is None
-                    else max(0.0, t_sent - self._answering[0] - self._answering[1] / 1000.0 - self._blocked))
+                    else max(0.0, t_sent - self._answering[0] - self._answering[1] / 1000.0 - self._alone[0]))
         self._live = None
         drafting = asyncio.ensure_future(self._draft_while(verify, proposal, spare))
         try:
@@ -250,7 +249,6 @@ class Round:
         spent = self.hooks.clock() - t0
         self._drafting[0] += spent
         self._alone[0] += spent
-        self._blocked += spent
         self._drafting[1] += len(proposal.token_ids)
         self._alone[1] += len(proposal.token_ids)
         return proposal

@@ -178,7 +178,9 @@ def test_a_round_times_its_drafting_beside_the_verification_apart_from_the_draft
             return super()._eval(tokens)
 
     class Recorded(FixedDraftLength):
-        samples: list[RoundSample] = []
+        def __init__(self, k):
+            super().__init__(k)
+            self.samples: list[RoundSample] = []
 
         def observe(self, sample):
             self.samples.append(sample)
