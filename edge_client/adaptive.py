@@ -166,10 +166,12 @@ class DraftModes:
     stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the drafter
     misses) can sink one reference trial and lift every challenger beside it. So the best challenger that scores
     above 1 + SWITCH_MARGIN is played beside the reference once more, and takes over only where that second score is
-    above it too (else the reference stays: the others' scores had the same reference trials beside them). The
+    above it too; where it is not, the next such challenger is played again, and where none is left the reference
+    stays. A challenger that scores above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes the
+    reference at once: the rest are played beside it, and a slow reference is not played between every trial. The
     winner is played for a spell, after which its neighbours (the model's way, K doubled and halved) are tried
     again. The spell doubles while the same mode wins. A fixed K is halved further only while halving it scored
-    above its reference."""
+    above its reference. The warm-up trial is the model's way, played before the trials anyway."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
@@ -177,6 +179,8 @@ class DraftModes:
     # A challenger's lead over its reference that counts: a trial's rate moves by far more than the modes differ, and
     # a wrong switch costs a whole spell.
     SWITCH_MARGIN = 0.05
+    # A challenger's lead that moves the reference to it: beyond what one hard stretch of text does to a trial.
+    MOVE_MARGIN = 0.15
 
     def __init__(self, k_max: int, try_fixed: bool = True, worth: Callable[[int], bool] = lambda k: True):
         self.k_max = k_max
@@ -195,6 +199,7 @@ class DraftModes:
         self.reference, self.challengers = MODEL, []  # a set of trials': what each challenger is scored against
         self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
         self.confirming: int | None = None  # a challenger that won its trial, being played beside the reference again
+        self.unconfirmed: set[int] = set()
         self.before = 0.0  # the reference's last trial rate
         # the model's way until the first round is counted (a model of the device that times none plays it alone)
         self.mode, self.started = MODEL, False
@@ -204,6 +209,7 @@ class DraftModes:
         """Start a set of trials: the reference, then each challenger followed by the reference again."""
         self.reference, self.challengers, self.score = reference, list(challengers), {}
         self.waiting, self.confirming, self.before = None, None, 0.0
+        self.unconfirmed: set[int] = set()  # challengers that won a trial and lost when played again
         self.mode, self.best = reference, None
         if not challengers:  # nothing to try: the reference is played
             self.best = self.last_best = reference
@@ -217,6 +223,7 @@ class DraftModes:
             fixed = [k for k in self.fixed[:2] if self.worth(k)]
             if fixed:
                 self.trials(fixed[0], [MODEL] + fixed[1:])
+                self.mode = MODEL  # the warm-up trial
             else:
                 self.trials(MODEL, [])
             return
@@ -226,8 +233,8 @@ class DraftModes:
             return
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
         self.tokens, self.seconds, self.rounds = 0, 0.0, 0
-        if self.warming:  # measured again before anything is scored against it
-            self.warming = False
+        if self.warming:  # the trials proper start with the reference
+            self.warming, self.mode = False, self.reference
             return
         self.rate[self.mode] = rate
         if self.best is not None:  # the spell is over: the modes beside it are tried against it
@@ -239,17 +246,24 @@ class DraftModes:
         if self.waiting is not None:
             self.score[self.waiting] = self.rate[self.waiting] / max((self.before + rate) / 2, 1e-9)
             self.halve(self.waiting)
+            if self.confirming is None and self.score[self.waiting] > 1 + self.MOVE_MARGIN:
+                # the rest are scored beside the new reference, from its trial just played
+                self.reference, self.score, rate = self.waiting, {}, self.rate[self.waiting]
             self.waiting = None
         self.before = rate
         if self.challengers:
             self.mode = self.challengers.pop(0)
             return
-        best = self.confirming if self.confirming is not None else max(self.score, key=lambda m: self.score[m])
-        if self.score[best] <= 1 + self.SWITCH_MARGIN:
+        if self.confirming is not None and self.score[self.confirming] > 1 + self.SWITCH_MARGIN:
+            best = self.confirming  # won twice
+        else:  # the best first win not yet played again: its trial once more, then the reference again, rescore it
+            if self.confirming is not None:
+                self.unconfirmed.add(self.confirming)
+            wins = [m for m in self.score if self.score[m] > 1 + self.SWITCH_MARGIN and m not in self.unconfirmed]
+            if wins:
+                self.confirming = self.mode = max(wins, key=lambda m: self.score[m])
+                return
             best = self.reference
-        elif self.confirming is None:  # a first win: its trial once more, then the reference again, rescore it
-            self.confirming = self.mode = best
-            return
         self.spell = self.spell * 2 if best == self.last_best else self.FIRST_SPELL
         self.last_best = self.best = self.mode = best
 

@@ -23,9 +23,10 @@ def test_a_fixed_k_that_commits_faster_than_the_models_way_is_played_and_finishe
     ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
     rates = {MODEL: 50.0, 8: 66.0, 4: 60.0, 2: 55.0}
     played = play(ctrl, rates.get, 120)
-    # the model's way until it has a model (two rounds), then K = 8, the reference each other mode is played beside;
-    # 2 not, 4 being slower than 8
-    assert played[:3] == [MODEL, MODEL, 8] and set(played[:40]) == {MODEL, 8, 4}
+    # the model's way until it has a model (two rounds) and through the warm-up trial, then K = 8, the reference
+    # each other mode is played beside; 2 not, 4 being slower than 8
+    assert played[:3] == [MODEL] * 3 and next(m for m in played if m != MODEL) == 8
+    assert set(played[:40]) == {MODEL, 8, 4}
     assert 2 not in played
     assert ctrl.modes.best == 8 and ctrl.k == 8
     assert not ctrl.answers_at_once(8, 3, busy=True) and not ctrl.empty_after_miss(0.0)
@@ -159,8 +160,9 @@ def test_a_weak_drafter_tries_no_k_its_model_finds_wasteful():
 
 def test_a_challenger_lifted_by_one_sunk_reference_trial_is_played_again_and_not_believed():
     """One hard stretch of text (a new prompt's opening) sinks the reference's trial right after K = 4's: K = 4 and
-    then K = 2 score above the reference's mean. K = 4, the best, is played beside the reference once more, scores
-    below it, and K = 8 stays (believed at once, the sunk trial would have made K = 4 the winner)."""
+    then K = 2 score above the reference's mean. K = 4, the best, is played beside the reference once more and
+    scores below it, then K = 2 likewise, and K = 8 stays (believed at once, the sunk trial would have made K = 4
+    the winner)."""
     modes = DraftModes(8)
     rates = {MODEL: 60.0, 8: 80.0, 4: 66.0, 2: 64.0}
     modes.count(4, 0.05)  # the first measured round starts the trials
@@ -171,14 +173,14 @@ def test_a_challenger_lifted_by_one_sunk_reference_trial_is_played_again_and_not
         if modes.tokens == 0:  # a trial ended
             trials.append(mode)
             sunk = sunk or hard
-    assert trials == [8, 8, MODEL, 8, 4, 8, 2, 8, 4, 8]  # the first trial warms up
-    assert modes.best == 8 and modes.score[4] < 1.0
+    assert trials == [MODEL, 8, MODEL, 8, 4, 8, 2, 8, 4, 8, 2, 8]  # the first trial warms up
+    assert modes.best == 8 and modes.score[4] < 1.0 and modes.score[2] < 1.0
 
 
 def test_the_first_trial_only_warms_up_and_nothing_is_scored_against_it():
-    """A fresh drafter and session measure slow: the first trial of K = 8 is played again before the model's way is
-    scored against it, so the model's way is not lifted by it (scored against it, it would have been played again
-    as a winner)."""
+    """A fresh drafter and session measure slow: the first trial, the model's way (played before the trials anyway),
+    only warms up. The model's way is measured again beside K = 8, at its own rate (scored at the warm-up's, it
+    would have lost by more than it does)."""
     modes = DraftModes(8)
     rates = {MODEL: 60.0, 8: 80.0, 4: 66.0, 2: 64.0}
     modes.count(4, 0.05)  # the first measured round starts the trials
@@ -188,5 +190,40 @@ def test_the_first_trial_only_warms_up_and_nothing_is_scored_against_it():
         modes.count(4, 4 / (30.0 if not trials else rates[mode]))
         if modes.tokens == 0:
             trials.append(mode)
-    assert trials == [8, 8, MODEL, 8, 4, 8]
-    assert modes.best == 8 and modes.rate[8] == 80.0
+    assert trials == [MODEL, 8, MODEL, 8, 4, 8]
+    assert modes.best == 8 and modes.rate[MODEL] == 60.0
+
+
+def test_a_reference_a_challenger_clearly_beats_is_not_played_between_the_other_trials():
+    """A trained head whose K_max = 4 is far slower than K = 2: the model's way beats K = 4 by more than MOVE_MARGIN
+    in its trial and becomes the reference at once, so K = 2 is played beside it, and K = 4 only in the two trials
+    that scored it (beside it as the reference, it would have been played twice more)."""
+    modes = DraftModes(4)
+    rates = {4: 40.0, MODEL: 52.0, 2: 56.0}
+    modes.count(2, 0.05)  # the first measured round starts the trials
+    trials = []
+    while modes.best is None:
+        mode = modes.mode
+        modes.count(2, 2 / rates[mode])
+        if modes.tokens == 0:
+            trials.append(mode)
+    assert trials == [MODEL, 4, MODEL, 4, 2, MODEL, 2, MODEL]  # K = 2 confirmed beside the model's way
+    assert modes.best == 2
+
+
+def test_where_a_win_is_not_confirmed_the_next_challenger_that_won_is_played_again():
+    """Every challenger beat the reference, K_max = 8, the slowest: the best first score, the model's way's, lifted
+    by an easy stretch of text, loses when played again, and the next winner, K = 2, is played again and takes
+    over, not the reference that every first score ranked below it."""
+    modes = DraftModes(8)
+    rates = {MODEL: 50.0, 8: 50.0, 4: 53.0, 2: 54.5}
+    modes.count(4, 0.05)  # the first measured round starts the trials
+    trials = []
+    while modes.best is None:
+        mode = modes.mode
+        easy = mode == MODEL and trials == [MODEL, 8]  # its first trial after the warm-up
+        modes.count(4, 4 / (rates[mode] * (1.12 if easy else 1.0)))
+        if modes.tokens == 0:
+            trials.append(mode)
+    assert trials == [MODEL, 8, MODEL, 8, 4, 8, 2, 8, MODEL, 8, 2, 8]
+    assert modes.unconfirmed == {MODEL} and modes.best == 2
