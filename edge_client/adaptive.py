@@ -204,6 +204,7 @@ class DraftModes:
         # the model's way until the first round is counted (a model of the device that times none plays it alone)
         self.mode, self.started = MODEL, False
         self.warming = True  # the first trial only warms up: a fresh drafter, session and text measure slow
+        self.settling = False  # whether the next round is the first in a new mode (not counted)
 
     def trials(self, reference: int, challengers: list[int]) -> None:
         """Start a set of trials: the reference, then each challenger followed by the reference again."""
@@ -215,7 +216,17 @@ class DraftModes:
             self.best = self.last_best = reference
 
     def count(self, committed: int, cycle_s: float) -> None:
-        """A round played in the current mode: its tokens and its time."""
+        """A round played in the current mode: its tokens and its time. The first round after the mode changes is
+        not counted: its draft was drafted ahead under the mode before (a short K or the model's way then sends at
+        once what a long K drafted ahead, a round faster than its own)."""
+        if self.settling:
+            self.settling = False
+            return
+        mode = self.mode
+        self._count(committed, cycle_s)
+        self.settling = self.mode != mode
+
+    def _count(self, committed: int, cycle_s: float) -> None:
         if not self.fixed:  # the model's way alone
             return
         if not self.started:  # the first measured round: the trials begin

@@ -1,5 +1,7 @@
 """The controller's choice between the model's way and a fixed K, by what each measures (DraftModes)."""
 
+import pytest
+
 from edge_client.adaptive import MODEL, AdaptiveDraftLength, DraftModes, RoundSample
 from edge_client.policy import DraftPolicy, FixedDraftLength
 from edge_client.round import RoundRules
@@ -15,6 +17,13 @@ def play(ctrl, rate_of, rounds, accepted=lambda k: k):
         ctrl.observe(RoundSample(k, accepted(k), 0.0, 0.03, 0.001, 0.01, committed=committed,
                                  cycle_s=committed / rate_of(mode)))
     return played
+
+
+def ends_trial(modes, committed, cycle_s):
+    """One round counted by `modes`; whether it ended a trial (the first round in a new mode is not counted)."""
+    settling = modes.settling
+    modes.count(committed, cycle_s)
+    return not settling and modes.tokens == 0
 
 
 def test_a_fixed_k_that_commits_faster_than_the_models_way_is_played_and_finishes_its_drafts():
@@ -169,8 +178,7 @@ def test_a_challenger_lifted_by_one_sunk_reference_trial_is_played_again_and_not
     trials, sunk = [], False
     while modes.best is None:
         mode, hard = modes.mode, modes.mode == 8 and modes.waiting == 4 and not sunk
-        modes.count(4, 4 / (40.0 if hard else rates[mode]))
-        if modes.tokens == 0:  # a trial ended
+        if ends_trial(modes, 4, 4 / (40.0 if hard else rates[mode])):
             trials.append(mode)
             sunk = sunk or hard
     assert trials == [MODEL, 8, MODEL, 8, 4, 8, 2, 8, 4, 8, 2, 8]  # the first trial warms up
@@ -187,8 +195,7 @@ def test_the_first_trial_only_warms_up_and_nothing_is_scored_against_it():
     trials = []
     while modes.best is None:
         mode = modes.mode
-        modes.count(4, 4 / (30.0 if not trials else rates[mode]))
-        if modes.tokens == 0:
+        if ends_trial(modes, 4, 4 / (30.0 if not trials else rates[mode])):
             trials.append(mode)
     assert trials == [MODEL, 8, MODEL, 8, 4, 8]
     assert modes.best == 8 and modes.rate[MODEL] == 60.0
@@ -204,8 +211,7 @@ def test_a_reference_a_challenger_clearly_beats_is_not_played_between_the_other_
     trials = []
     while modes.best is None:
         mode = modes.mode
-        modes.count(2, 2 / rates[mode])
-        if modes.tokens == 0:
+        if ends_trial(modes, 2, 2 / rates[mode]):
             trials.append(mode)
     assert trials == [MODEL, 4, MODEL, 4, 2, MODEL, 2, MODEL]  # K = 2 confirmed beside the model's way
     assert modes.best == 2
@@ -222,8 +228,23 @@ def test_where_a_win_is_not_confirmed_the_next_challenger_that_won_is_played_aga
     while modes.best is None:
         mode = modes.mode
         easy = mode == MODEL and trials == [MODEL, 8]  # its first trial after the warm-up
-        modes.count(4, 4 / (rates[mode] * (1.12 if easy else 1.0)))
-        if modes.tokens == 0:
+        if ends_trial(modes, 4, 4 / (rates[mode] * (1.12 if easy else 1.0))):
             trials.append(mode)
     assert trials == [MODEL, 8, MODEL, 8, 4, 8, 2, 8, MODEL, 8, 2, 8]
     assert modes.unconfirmed == {MODEL} and modes.best == 2
+
+
+def test_the_first_round_in_a_new_mode_is_not_counted():
+    """Switching from K = 8 to a shorter K or the model's way, the first draft goes out with what K = 8 drafted
+    ahead, a round far faster than the mode's own: not counted, every mode measures at its own rate and K = 8 stays
+    (counted, the round lifts each challenger's trial above K = 8's)."""
+    modes = DraftModes(8)
+    rates = {MODEL: 60.0, 8: 80.0, 4: 66.0, 2: 64.0}
+    modes.count(4, 0.05)  # the first measured round starts the trials
+    last = modes.mode
+    while modes.best is None:
+        mode = modes.mode
+        switched, last = mode != last, mode
+        modes.count(4, 4 / (rates[mode] * (3.0 if switched and mode != 8 else 1.0)))
+    assert modes.best == 8
+    assert all(modes.rate[m] == pytest.approx(rates[m]) for m in modes.rate)
