@@ -454,10 +454,10 @@ class Engine:
     # ---- one step ----
 
     def step(self) -> None:
-        prefilling = self._prefilling()
-        chunk = (self.scheduler.prefill_chunk(self._pending, list(self._sessions.values()), time.monotonic(),
-                                              self.costs) if prefilling else None)
-        plan = self.scheduler.plan(self._pending, prefilling, chunk)
+        prefilling, now = self._prefilling(), time.monotonic()
+        chunk = (self.scheduler.prefill_chunk(self._pending, list(self._sessions.values()), now, self.costs)
+                 if prefilling else None)
+        plan = self.scheduler.plan(self._pending, prefilling, chunk, now)
         if not plan:
             return
         t0 = time.monotonic()

@@ -14,6 +14,9 @@ from .sessions import DraftRequest, Session
 IDLE_AFTER_S = 0.5
 # A step's target time while drafts wait or are due, where step_target_ms is unset: this many of its fixed cost.
 STEP_TARGET_FIXED_COSTS = 2.0
+# Prompts are prefilled shortest first (the least mean TTFT), but one that has waited this long since its Open goes
+# before every newer one: under load new prompts keep coming, and shortest first alone starves a long one.
+PREFILL_PATIENCE_S = 1.0
 
 
 def draft_expected(session: Session, now: float) -> float | None:
@@ -115,10 +118,13 @@ class Scheduler:
             return True
         return oldest is not None and (now - oldest) * 1000.0 >= self.config.max_wait_ms
 
-    def plan(self, pending: list[VerifyWork], prefilling: list[Session], chunk: int | None = None) -> Plan:
-        """Verifications first (FIFO, one per session), then prompt chunks, the shortest remaining prompt first,
-        `chunk` tokens of prompt at most (None: the rest of the token budget)."""
+    def plan(self, pending: list[VerifyWork], prefilling: list[Session], chunk: int | None = None,
+             now: float | None = None) -> Plan:
+        """Verifications first (FIFO, one per session), then prompt chunks, `chunk` tokens of prompt at most (None:
+        the rest of the token budget): the prompts that have waited PREFILL_PATIENCE_S oldest first, then the
+        shortest remaining prompt first."""
         cfg = self.config
+        now = time.monotonic() if now is None else now
         budget = cfg.max_batch_tokens
         verifies: list[VerifyWork] = []
         seen: set[str] = set()
@@ -134,7 +140,11 @@ class Scheduler:
         if chunk is not None:
             budget = min(budget, chunk)
         prefills: list[PrefillWork] = []
-        for session in sorted(prefilling, key=lambda s: len(s.tokens) - s.kv_len):
+        def order(s: Session) -> tuple[int, float]:
+            overdue = now - s.opened_at >= PREFILL_PATIENCE_S
+            return (0, s.opened_at) if overdue else (1, len(s.tokens) - s.kv_len)
+
+        for session in sorted(prefilling, key=order):
             if budget <= 0:
                 break
             chunk = min(len(session.tokens) - 1 - session.kv_len, budget)

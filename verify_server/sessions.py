@@ -99,6 +99,7 @@ class Session:
     finished: bool = False
     finish_reason: str | None = None
     last_active: float = field(default_factory=time.monotonic)
+    opened_at: float = field(default_factory=time.monotonic)  # when it was opened (prefill's patience)
     # Its rhythm, for the scheduler (when its next draft is due): when it was last answered (a verdict, or the end
     # of its prefill), and the usual gap from an answer to its next draft (None until it has sent one).
     answered_at: float | None = None

@@ -1,5 +1,5 @@
 from verify_server.config import ServerConfig
-from verify_server.scheduler import Scheduler, VerifyWork
+from verify_server.scheduler import PREFILL_PATIENCE_S, Scheduler, VerifyWork
 from verify_server.sessions import DraftRequest, SamplingParams, Session
 
 
@@ -57,6 +57,37 @@ def test_the_shortest_remaining_prompt_is_prefilled_first():
     newcomer = session(9, tokens=41, kv_len=0)
     plan = sched.plan([], heavy + [newcomer], chunk=64)
     assert [(p.session.id, p.length) for p in plan.prefills] == [("s9", 40), ("s0", 24)]
+
+
+def test_a_long_prompt_is_not_starved_by_shorter_ones_that_keep_coming():
+    """A fleet under load opens a short prompt every step, each the whole chunk: shortest first alone would prefill
+    every newcomer and never the long prompt (as long as newcomers come). Once it has waited PREFILL_PATIENCE_S it
+    goes first, and is prefilled while newcomers still come; they wait their turn, oldest first, not for ever."""
+    sched = Scheduler(ServerConfig(max_batch_tokens=512))
+    step_s, chunk = 0.1, 64
+    long_prompt = session(0, tokens=401, kv_len=0)
+    long_prompt.opened_at = 0.0
+    prefilling, done_at, opened = [long_prompt], {}, {}
+    for i in range(1, 200):
+        now = i * step_s
+        newcomer = session(i, tokens=65, kv_len=0)  # a whole chunk
+        newcomer.opened_at = opened[newcomer.id] = now
+        prefilling.append(newcomer)
+        for p in sched.plan([], prefilling, chunk=chunk, now=now).prefills:
+            p.session.kv_len += p.length
+        for s in [s for s in prefilling if s.prefilled]:
+            prefilling.remove(s)
+            done_at[s.id] = now
+        if "s0" in done_at:
+            break
+    assert "s0" in done_at and done_at["s0"] <= PREFILL_PATIENCE_S + 10 * step_s
+    # each newcomer prefilled so far waited at most the long prompt's turn and its own patience
+    assert max(done_at[k] - opened[k] for k in done_at if k != "s0") <= PREFILL_PATIENCE_S + 10 * step_s
+    # within its patience, shortest first: the newcomer before the long prompt
+    fresh, newcomer = session(0, tokens=401, kv_len=0), session(1, tokens=41, kv_len=0)
+    fresh.opened_at = newcomer.opened_at = 5.0
+    plan = sched.plan([], [fresh, newcomer], chunk=chunk, now=5.0 + PREFILL_PATIENCE_S / 2)
+    assert [(p.session.id, p.length) for p in plan.prefills] == [("s1", 40), ("s0", 24)]
 
 
 def test_the_cost_model_fits_fixed_and_per_token_cost_and_sizes_chunks():
