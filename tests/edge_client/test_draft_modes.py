@@ -26,6 +26,18 @@ def ends_trial(modes, committed, cycle_s):
     return not settling and modes.tokens == 0
 
 
+def trials_until_a_winner(modes, committed, rate):
+    """Rounds of `committed` tokens at `rate(mode, trials so far)` from the trials' start until a mode wins; the
+    trials played, in order."""
+    modes.count(committed, 0.05)  # the first measured round starts the trials
+    trials = []
+    while modes.best is None:
+        mode = modes.mode
+        if ends_trial(modes, committed, committed / rate(mode, trials)):
+            trials.append(mode)
+    return trials
+
+
 def test_a_fixed_k_that_commits_faster_than_the_models_way_is_played_and_finishes_its_drafts():
     """On a machine where the model's short rounds cost more than it prices them (the drafting slowed by each
     server step), K = 8 finished each round measures fastest: it is played, at K = 8, never answering at once."""
@@ -191,12 +203,7 @@ def test_the_first_trial_only_warms_up_and_nothing_is_scored_against_it():
     would have lost by more than it does)."""
     modes = DraftModes(8)
     rates = {MODEL: 60.0, 8: 80.0, 4: 66.0, 2: 64.0}
-    modes.count(4, 0.05)  # the first measured round starts the trials
-    trials = []
-    while modes.best is None:
-        mode = modes.mode
-        if ends_trial(modes, 4, 4 / (30.0 if not trials else rates[mode])):
-            trials.append(mode)
+    trials = trials_until_a_winner(modes, 4, lambda mode, trials: 30.0 if not trials else rates[mode])
     assert trials == [MODEL, 8, MODEL, 8, 4, 8]
     assert modes.best == 8 and modes.rate[MODEL] == 60.0
 
@@ -207,12 +214,7 @@ def test_a_reference_a_challenger_clearly_beats_is_not_played_between_the_other_
     that scored it (beside it as the reference, it would have been played twice more)."""
     modes = DraftModes(4)
     rates = {4: 40.0, MODEL: 52.0, 2: 56.0}
-    modes.count(2, 0.05)  # the first measured round starts the trials
-    trials = []
-    while modes.best is None:
-        mode = modes.mode
-        if ends_trial(modes, 2, 2 / rates[mode]):
-            trials.append(mode)
+    trials = trials_until_a_winner(modes, 2, lambda mode, trials: rates[mode])
     assert trials == [MODEL, 4, MODEL, 4, 2, MODEL, 2, MODEL]  # K = 2 confirmed beside the model's way
     assert modes.best == 2
 
@@ -223,13 +225,9 @@ def test_where_a_win_is_not_confirmed_the_next_challenger_that_won_is_played_aga
     over, not the reference that every first score ranked below it."""
     modes = DraftModes(8)
     rates = {MODEL: 50.0, 8: 50.0, 4: 53.0, 2: 54.5}
-    modes.count(4, 0.05)  # the first measured round starts the trials
-    trials = []
-    while modes.best is None:
-        mode = modes.mode
-        easy = mode == MODEL and trials == [MODEL, 8]  # its first trial after the warm-up
-        if ends_trial(modes, 4, 4 / (rates[mode] * (1.12 if easy else 1.0))):
-            trials.append(mode)
+    # the model's way's first trial after the warm-up meets easy text
+    trials = trials_until_a_winner(modes, 4, lambda mode, trials: rates[mode] * (
+        1.12 if mode == MODEL and trials == [MODEL, 8] else 1.0))
     assert trials == [MODEL, 8, MODEL, 8, 4, 8, 2, 8, MODEL, 8, 2, 8]
     assert modes.unconfirmed == {MODEL} and modes.best == 2
 
