@@ -199,7 +199,7 @@ class DraftModes:
         self.reference, self.challengers = MODEL, []  # a set of trials': what each challenger is scored against
         self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
         self.confirming: int | None = None  # a challenger that won its trial, being played beside the reference again
-        self.unconfirmed: set[int] = set()
+        self.unconfirmed: set[int] = set()  # challengers that won a trial and lost when played again
         self.before = 0.0  # the reference's last trial rate
         # the model's way until the first round is counted (a model of the device that times none plays it alone)
         self.mode, self.started = MODEL, False
@@ -210,7 +210,7 @@ class DraftModes:
         """Start a set of trials: the reference, then each challenger followed by the reference again."""
         self.reference, self.challengers, self.score = reference, list(challengers), {}
         self.waiting, self.confirming, self.before = None, None, 0.0
-        self.unconfirmed: set[int] = set()  # challengers that won a trial and lost when played again
+        self.unconfirmed = set()
         self.mode, self.best = reference, None
         if not challengers:  # nothing to try: the reference is played
             self.best = self.last_best = reference
