@@ -276,10 +276,12 @@ def fixed_ks(k_max: int, given: list[int] | None) -> list[int]:
 
 
 def adaptive_goals(rows: list[dict]) -> str:
-    """Each drafter's adaptive K against its best fixed K of the run, text set by text set (goal 0.98x)."""
+    """Each drafter's adaptive K against its best fixed K of the run, text set by text set (goal 0.98x); and, where
+    the rows keep every pass's tok/s, each pass's adaptive run against the best fixed K of that pass: the modes of one
+    pass ran back to back, so the host's drift between passes leaves the ratio."""
     out = []
     for name in dict.fromkeys(r["drafter"] for r in rows):
-        parts = []
+        parts, passes = [], []
         for text in texts_of(rows):
             mine = [r for r in rows if r["drafter"] == name and r["text"] == text]
             adaptive = [r for r in mine if r["k"] == "adaptive"]
@@ -287,10 +289,25 @@ def adaptive_goals(rows: list[dict]) -> str:
             if adaptive and fixed:
                 best = max(fixed, key=lambda r: r["tokens_per_s"])
                 parts.append(f"{text} {adaptive[0]['tokens_per_s'] / best['tokens_per_s']:.2f}x (K = {best['k']})")
+                ratios = paired(adaptive[0], fixed)
+                if ratios:
+                    passes.append(f"{text} {'/'.join(f'{x:.2f}' for x in ratios)}x (median "
+                                  f"{statistics.median(ratios):.2f}x)")
         if parts:
             out.append(f"- {name}, adaptive K / the best fixed K, device tok/s: {', '.join(parts)} (goal at least "
                        "0.98x for a drafter with a model)")
+        if passes:
+            out.append(f"- {name}, pass by pass (each adaptive run over the best fixed K of its own pass): "
+                       + ", ".join(passes))
     return "\n".join(out)
+
+
+def paired(adaptive: dict, fixed: list[dict]) -> list[float]:
+    """Each pass's adaptive tok/s over the best fixed K's of that pass (none where the rows lack their passes)."""
+    runs = [r.get("runs_tokens_per_s") for r in [adaptive, *fixed]]
+    if not all(runs) or len({len(r) for r in runs}) != 1:
+        return []
+    return [a / max(r[i] for r in runs[1:]) for i, a in enumerate(runs[0])]
 
 
 def marker(pace: float, adaptive: bool = False, trained: bool = False) -> str:
