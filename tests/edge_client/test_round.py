@@ -93,19 +93,23 @@ def test_the_draft_and_the_drafting_ahead_stop_at_the_request_end():
 
 class Held(RoundHooks):
     """Holds the drafting thread before its third token drafted ahead (the bonus guess and one past it drafted) until
-    the verdict is in, and records what goes out at once."""
+    the verdict is in, and then on that token until the next draft is about to go out: the verdict is answered while
+    the drafter is still on it, however the threads are scheduled. Records what goes out at once."""
 
     def __init__(self):
-        self.reached = threading.Event()
+        self.reached, self.answered = threading.Event(), threading.Event()
         self.sent: list[bool] = []
 
     def ahead_token(self, n, arrived):
         if n == 3:
             self.reached.set()
             arrived.wait(30)
+            self.answered.wait(30)
 
     def sending(self, at_once):
         self.sent.append(at_once)
+        if len(self.sent) == 2:
+            self.answered.set()
 
 
 def test_a_round_played_by_hand_carries_a_hit_into_the_next_draft_and_commits_the_target_text():
@@ -149,12 +153,14 @@ def test_a_round_played_by_hand_carries_a_hit_into_the_next_draft_and_commits_th
 def test_a_round_times_its_drafting_beside_the_verification_apart_from_the_drafting_before_it_goes_out():
     """RoundSample.ahead_token_s and alone_token_s: on a clock that only the drafter moves, 20 ms a token it evaluates
     while a draft is verified and 5 ms before one goes out (a device sharing the server's machine drafts slower
-    beside its step), each round reports the two paces apart; the pace over all its drafting lies between."""
+    beside its step), each round reports the two paces apart; the pace over all its drafting lies between. Each
+    verdict comes once the drafting ahead is done (the drafter is never caught mid-token, whatever the threads'
+    order) and misses the draft's last token, so the next draft is drafted afresh before it goes out."""
     chain = greedy_chain(cycle(1, 2, 3, 1), 16)
 
     class Clock(RoundHooks):
         def __init__(self):
-            self.now, self.ahead, self.reached = 0.0, False, threading.Event()
+            self.now, self.ahead, self.ended = 0.0, False, threading.Event()
 
         def clock(self):
             return self.now
@@ -164,11 +170,7 @@ def test_a_round_times_its_drafting_beside_the_verification_apart_from_the_draft
 
         def ahead_ends(self):
             self.ahead = False
-
-        def ahead_token(self, n, arrived):
-            if n == 3:  # the verdict comes once the bonus guess and one token past it are drafted
-                self.reached.set()
-                arrived.wait(30)
+            self.ended.set()
 
     hooks = Clock()
 
@@ -194,10 +196,11 @@ def test_a_round_times_its_drafting_beside_the_verification_apart_from_the_draft
                     max_tokens=16, stop_ids=frozenset({EOS}), hooks=hooks)
 
         async def send(proposal):
-            hooks.reached.clear()
-            await asyncio.get_running_loop().run_in_executor(None, hooks.reached.wait, 30)
-            n = len(result.token_ids)
-            return Verdict(0, len(proposal.token_ids), chain[n + len(proposal.token_ids)], False, None)
+            hooks.ended.clear()  # the last round's drafting ahead ended before this draft went out
+            await asyncio.get_running_loop().run_in_executor(None, hooks.ended.wait, 30)
+            # the target's token at the missed one is the drafter's own: the text stays the target's
+            n, k = len(result.token_ids), len(proposal.token_ids)
+            return Verdict(0, k - 1, chain[n + k - 1], False, None)
 
         for _ in range(3):
             verdict, committed = await rnd.play(send)
