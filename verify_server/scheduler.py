@@ -139,6 +139,7 @@ class Scheduler:
             budget -= need
         if chunk is not None:
             budget = min(budget, chunk)
+
         def order(s: Session) -> tuple[int, float]:
             overdue = now - s.opened_at >= PREFILL_PATIENCE_S
             return (0, s.opened_at) if overdue else (1, len(s.tokens) - s.kv_len)
