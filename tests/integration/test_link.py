@@ -49,32 +49,28 @@ def test_closing_a_session_does_not_wait_a_round_trip_and_the_server_still_ends_
 
     server = make_server()
     host, _, port = server.address.rpartition(":")
-    link = LinkEmulator(LinkSpec(delay_ms=200), host, int(port))  # a round trip of 400 ms
+    link = LinkEmulator(LinkSpec(delay_ms=500), host, int(port))  # a round trip of 1 s
 
-    async def session_closed() -> tuple[float, float, object, int]:
+    async def session_closed() -> tuple[float, bool, object]:
         client = VerifierClient(f"127.0.0.1:{link.port}")
         try:
             t0 = time.perf_counter()
             asked = Request(tokenizer.encode("The capital of France is"), 4)
             session = await client.open(codec.open_message(asked, tokenizer.fingerprint))
             opened = time.perf_counter() - t0
-            t0 = time.perf_counter()
             await session.close()
-            closing = time.perf_counter() - t0
-            left = len(client._draining)
+            answered = session.call.done()  # the server's Closed and the stream's end had come
         finally:
             await client.close()  # waits for the stream's end
-        return opened, closing, await session.call.code(), left
+        return opened, answered, await session.call.code()
 
     try:
-        opened, closing, code, left = run(session_closed())
+        opened, answered, code = run(session_closed())
     finally:
         link.close()
-    assert opened >= 0.4, opened  # the Open paid the round trip
-    # the Close did not (waiting for the server's Closed took the round trip, >= 0.4 s); the margin is for a loaded
-    # host (0.106 s was seen once in a full run with a 0.1 s bound)
-    assert closing < 0.2, closing
-    assert left == 1  # its stream end was still being read when close() returned ...
+    assert opened >= 1.0, opened  # the Open paid the round trip (the emulated link delays it by construction)
+    # The Close did not: close() returned before the server's answer could come back over the link ...
+    assert not answered
     assert code == grpc.StatusCode.OK  # ... and the server got the Close and ended the stream (not cancelled)
     assert all_freed(server)
 
