@@ -149,6 +149,50 @@ class RoundCost:
         return now >= finished
 
 
+class PositionAcceptance:
+    """How often a draft's token at each position is accepted, given that the tokens before it were: counted over the
+    recent rounds of every mode, fading by FADE a round (about 200 rounds of memory). What a round of d drafted tokens
+    commits on this average text (`committed`) prices a trial's rounds by their drafts, not by the stretch of text they
+    happened to meet."""
+
+    FADE = 0.995
+    PRIOR_WEIGHT = 2.0  # each position pulled toward the average acceptance by this many tokens
+    MIN_TOKENS = 16.0  # tokens seen, all positions together, before it prices a round
+
+    def __init__(self):
+        self.seen: list[float] = []  # tokens drafted at each position whose prefix was accepted
+        self.hit: list[float] = []  # of those, accepted
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.seen = [n * self.FADE for n in self.seen]
+        self.hit = [n * self.FADE for n in self.hit]
+        while len(self.seen) < drafted:
+            self.seen.append(0.0)
+            self.hit.append(0.0)
+        for j in range(min(accepted + 1, drafted)):
+            self.seen[j] += 1.0
+            self.hit[j] += 1.0 if j < accepted else 0.0
+
+    def chance(self, j: int) -> float:
+        """P(the token at position j, from 0, is accepted | those before it were)."""
+        seen, hit = sum(self.seen), sum(self.hit)
+        mean = (hit + 0.5) / (seen + 1.0)
+        if j >= len(self.seen):
+            return mean
+        return (self.hit[j] + self.PRIOR_WEIGHT * mean) / (self.seen[j] + self.PRIOR_WEIGHT)
+
+    def committed(self, drafted: int) -> float | None:
+        """What a round of `drafted` tokens commits on average (its accepted tokens and the verdict's own), or None
+        while too little is seen."""
+        if sum(self.seen) < self.MIN_TOKENS:
+            return None
+        total, reach = 1.0, 1.0
+        for j in range(drafted):
+            reach *= self.chance(j)
+            total += reach
+        return total
+
+
 MODEL = 0  # DraftModes' mode in which K and answering at once are the model's (RoundCost)
 
 
@@ -160,7 +204,9 @@ class DraftModes:
     Python), and answering at once borrows the next round's drafting.
 
     So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
-    committed tokens a second from verdict to verdict, after one trial that only warms up. The text moves a trial's
+    committed tokens a second from verdict to verdict, after one trial that only warms up. Where the controller
+    knows what each round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens are
+    counted so, not as the text it met let them be accepted. The text moves a trial's
     rate more than the mode does (an easy prompt, then a hard one), so each challenger is played between two trials
     of a reference (K_max at first, then the mode being played) and scored against their mean: both see the same
     stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the drafter
@@ -196,6 +242,7 @@ class DraftModes:
         self.last_best: int | None = None  # the last winner
         self.spell = self.FIRST_SPELL
         self.tokens, self.seconds, self.rounds = 0, 0.0, 0  # the current trial's or spell's
+        self.priced = 0.0  # its tokens as its drafts commit on average, where known (else as committed)
         self.reference, self.challengers = MODEL, []  # a set of trials': what each challenger is scored against
         self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
         self.confirming: int | None = None  # a challenger that won its trial, being played beside the reference again
@@ -215,18 +262,19 @@ class DraftModes:
         if not challengers:  # nothing to try: the reference is played
             self.best = self.last_best = reference
 
-    def count(self, committed: int, cycle_s: float) -> None:
-        """A round played in the current mode: its tokens and its time. The first round after the mode changes is
-        not counted: its draft was drafted ahead under the mode before (a short K or the model's way then sends at
-        once what a long K drafted ahead, a round faster than its own)."""
+    def count(self, committed: int, cycle_s: float, expected: float | None = None) -> None:
+        """A round played in the current mode: its tokens, its time and what its draft commits on average (None:
+        not known). The first round after the mode changes is not counted: its draft was drafted ahead under the
+        mode before (a short K or the model's way then sends at once what a long K drafted ahead, a round faster
+        than its own)."""
         if self.settling:
             self.settling = False
             return
         mode = self.mode
-        self._count(committed, cycle_s)
+        self._count(committed, cycle_s, committed if expected is None else expected)
         self.settling = self.mode != mode
 
-    def _count(self, committed: int, cycle_s: float) -> None:
+    def _count(self, committed: int, cycle_s: float, expected: float) -> None:
         if not self.fixed:  # the model's way alone
             return
         if not self.started:  # the first measured round: the trials begin
@@ -239,11 +287,12 @@ class DraftModes:
                 self.trials(MODEL, [])
             return
         self.tokens, self.seconds, self.rounds = self.tokens + committed, self.seconds + cycle_s, self.rounds + 1
+        self.priced += expected
         goal = self.spell if self.best is not None else self.TRIAL_TOKENS
         if self.tokens < goal or self.rounds < self.TRIAL_ROUNDS:
             return
-        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        self.tokens, self.seconds, self.rounds = 0, 0.0, 0
+        rate = self.priced / self.seconds if self.seconds > 0 else 0.0
+        self.tokens, self.seconds, self.rounds, self.priced = 0, 0.0, 0, 0.0
         if self.warming:  # the trials proper start with the reference
             self.warming, self.mode = False, self.reference
             return
@@ -338,6 +387,7 @@ class AdaptiveDraftLength:
         self.server_max: int | None = None  # the bound on K the last server opened with: a bound is news once
         self.cost: RoundCost | None = None  # the last choice's model of a round, None until two rounds are seen
         self.modes = self.new_modes()  # the model's way or a fixed K, by what each measures
+        self.positions = PositionAcceptance()  # what a draft commits on the recent text, whichever mode drafted it
         self.model_k = self.k  # the model's last choice
         self.shared = False  # whether the server's recent steps held other sessions too (SHARED_SESSIONS)
 
@@ -360,6 +410,7 @@ class AdaptiveDraftLength:
             self.samples.clear()
             self.cost = None
             self.modes = self.new_modes()
+            self.positions = PositionAcceptance()
         self.bound_modes()
         self.model_k = min(max(self.model_k, self.k_min), k_max)
         self.k = self.played(self.model_k)
@@ -420,7 +471,9 @@ class AdaptiveDraftLength:
 
     def observe(self, sample: RoundSample) -> None:
         played = self.modes  # the modes this round was played under
+        expected = self.positions.committed(sample.drafted)  # priced by the rounds before it
         if sample.drafted > 0:
+            self.positions.observe(sample.drafted, sample.accepted)
             self.samples.append(sample)
             shared = sum(max(s.step_sessions, 1) for s in self.samples) / len(self.samples) >= self.SHARED_SESSIONS
             if shared != self.shared:  # the trials start afresh whenever the device has the server to itself again
@@ -429,7 +482,7 @@ class AdaptiveDraftLength:
             self.learn_confidence(sample)
             self.model_k = self.choose()
         if sample.cycle_s is not None and not self.shared and self.modes is played and self.cost is not None:
-            self.modes.count(sample.committed, sample.cycle_s)
+            self.modes.count(sample.committed, sample.cycle_s, expected)
         self.k = self.played(self.model_k)
 
     def learn_confidence(self, sample: RoundSample) -> None:

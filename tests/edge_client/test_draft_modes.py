@@ -246,3 +246,59 @@ def test_the_first_round_in_a_new_mode_is_not_counted():
         modes.count(4, 4 / (rates[mode] * (3.0 if switched and mode != 8 else 1.0)))
     assert modes.best == 8
     assert all(modes.rate[m] == pytest.approx(rates[m]) for m in modes.rate)
+
+
+def test_a_trial_that_meets_easy_text_is_priced_by_its_drafts_not_by_its_luck():
+    """Every mode commits 60 tokens a second on the usual text. K = 4's first trial meets a stretch the drafter gets
+    all right: its rounds commit 6 tokens where the same drafts commit 4 on the recent text, at the same round time.
+    Priced by what its drafts commit on average (the controller's PositionAcceptance), it scores even and K = 8
+    stays; counted as the text let it commit, it would have taken over."""
+
+    def winner(priced: bool):
+        modes = DraftModes(8)
+        modes.count(4, 0.05)  # the first measured round starts the trials
+        first = True  # K = 4's first trial not yet over
+        while modes.best is None:
+            mode = modes.mode
+            easy = mode == 4 and first
+            modes.count(6 if easy else 4, 4 / 60.0, 4.0 if priced else None)
+            first = first and not (mode == 4 and modes.mode != 4)
+        return modes
+
+    priced = winner(True)
+    assert priced.best == 8 and priced.score[4] == pytest.approx(1.0)
+    assert all(rate == pytest.approx(60.0) for rate in priced.rate.values())
+    luck = winner(False)
+    assert luck.best == 4  # its lucky trial beat K = 8 by more than MOVE_MARGIN: the reference at once
+
+
+def test_the_controller_prices_each_round_by_the_rounds_before_it(monkeypatch):
+    """What AdaptiveDraftLength hands DraftModes with each round: what its draft commits on the acceptance by
+    position of the rounds before it, not what this round's text let it commit."""
+    ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
+    counted = []
+    monkeypatch.setattr(DraftModes, "count", lambda self, committed, cycle_s, expected=None: counted.append(
+        (committed, expected)))
+    for _ in range(30):  # the usual text: drafts of 8 with three tokens right, the fourth wrong
+        ctrl.observe(RoundSample(8, 3, 0.0, 0.03, 0.001, 0.01, committed=4, cycle_s=0.1))
+    before = ctrl.positions.committed(8)
+    ctrl.observe(RoundSample(8, 8, 0.0, 0.03, 0.001, 0.01, committed=9, cycle_s=0.1))  # a lucky round
+    assert counted[-1] == (9, before) and before < 4.5
+    assert counted[0][1] is None  # nothing seen yet: the round counts as it committed
+
+
+def test_the_acceptance_by_position_prices_a_draft_by_its_recent_rounds():
+    from edge_client.adaptive import PositionAcceptance
+
+    pos = PositionAcceptance()
+    assert pos.committed(4) is None  # nothing seen yet
+    for _ in range(40):
+        pos.observe(4, 2)  # two accepted, the third rejected, the fourth never reached
+    assert pos.chance(0) > 0.95 and pos.chance(1) > 0.95 and pos.chance(2) < 0.05
+    assert pos.chance(3) == pytest.approx(pos.chance(7))  # unseen positions: the average acceptance
+    assert pos.committed(0) == 1.0  # the verdict's own token
+    assert pos.committed(2) == pytest.approx(1 + pos.chance(0) + pos.chance(0) * pos.chance(1))
+    assert 2.9 < pos.committed(8) < 3.1  # past the third token nearly nothing more
+    for _ in range(2000):  # the text changes: now every token is accepted, and the old rounds fade
+        pos.observe(4, 4)
+    assert pos.committed(4) > 4.9
