@@ -4,9 +4,10 @@ server-only on a named GPU and target, at device counts no benchmark here reache
 Devices run requests back to back (a prompt, then `--max-tokens` tokens). A SLED device prefills its drafter, then
 drafts at a time per token, drafts ahead while its draft is verified and answers verdicts as the device does: each
 decision is the device's own round object (edge_client.round.RoundRules) with its adaptive draft-length controller,
-fed what a device measures. A drafted token is accepted with a probability by its position in the draft (recorded
-from the real pair: the llama.cpp drafter's proposals along the target's greedy text). A server-only device's
-session is decoded by the server, a token a step.
+fed what a device measures. Its drafts are the real pair's, replayed as `sled-bench capacity` replays them (the
+llama.cpp drafter's proposals recorded along the target's greedy text of each prompt), so a request meets its own
+prompt's misses where they fall; a draft not recorded is accepted with a probability by its position in the draft.
+A server-only device's session is decoded by the server, a token a step.
 
 The server runs one step at a time over what is waiting: the drafts that arrived (it waits at most its batching window
 for every session's draft), sessions it decodes itself, and prompt chunks (up to its token budget). A step costs a fit
@@ -115,9 +116,32 @@ class Devices:
     prefill_s: float  # the drafter's prefill per prompt token
     accept: tuple[float, ...]  # chance a drafted token is accepted, by its position, given those before it were
     rtt_s: float = 0.0005  # the link's round trip
+    # Per prompt of the workload: the recorded drafts (context length -> proposal) and the target's text, replayed as
+    # sled-bench capacity's devices replay them, so a request meets its own prompt's misses where they fall. Drafts
+    # not recorded (all, where replay is None) are drawn by position from `accept`.
+    replay: tuple[tuple[dict[int, list[int]], list[int]], ...] | None = None
 
     def accepts(self, position: int) -> float:
         return self.accept[min(position, len(self.accept) - 1)]
+
+    def judge(self, prompt: int, context: int, k: int, rng: random.Random) -> tuple[int, bool]:
+        """A draft of k tokens at `context` of the workload's prompt: the tokens the target accepts, and whether the
+        drafter's own next token is the target's too (the bonus it drafts ahead from)."""
+        table, full = self.replay[prompt % len(self.replay)] if self.replay else ({}, [])
+        proposal = table.get(context)
+        accepted = 0
+        if proposal is None:
+            while accepted < k and rng.random() < self.accepts(accepted):
+                accepted += 1
+            return accepted, accepted == k and rng.random() < self.accepts(k)
+        ends = min(k, len(proposal), len(full) - context)
+        while accepted < ends and proposal[accepted] == full[context + accepted]:
+            accepted += 1
+        if accepted < k:
+            return accepted, False
+        if k < len(proposal) and context + k < len(full):
+            return accepted, proposal[k] == full[context + k]
+        return accepted, rng.random() < self.accepts(k)  # past what was recorded
 
 
 @dataclass(frozen=True)
@@ -254,10 +278,7 @@ class Fleet:
     def verdict(self, d: int, now: float) -> None:
         dev, r = self.devs[d], self.d
         k = dev.drafted
-        accepted = 0
-        while accepted < k and dev.rng.random() < r.accepts(accepted):
-            accepted += 1
-        guessed = accepted == k and dev.rng.random() < r.accepts(k)  # the bonus is the drafter's own next token
+        accepted, guessed = r.judge(dev.prompt, self.context(d), k, dev.rng)
         progress = min((now - dev.sent) / r.draft_s + dev.offset, K_MAX + 1.0)  # tokens drafted ahead by now
         dev.offset = 0.0
         resume = now
@@ -592,15 +613,16 @@ def report(args, drafting, cost: LinearCost, gap: tuple[float, float], accept, w
         f"+ {cost.session_s * 1000:.3f} ms a session, scaled at each count by its own steps' time over the fit's "
         f"({min(c['speed'] for c in check):.2f}x to {max(c['speed'] for c in check):.2f}x: a shared host's speed "
         f"drifts between the counts of a run), and {gap[0] * 1000:.2f} ms + {gap[1] * 1000:.3f} ms a session of "
-        "the host's between steps (what server-only's steps leave of its windows); acceptance by position from the "
-        "recorded drafts: " + ", ".join(f"{a:.3f}" for a in accept) + "\n"
+        "the host's between steps (what server-only's steps leave of its windows); the model's devices replay the "
+        "same recorded drafts along each prompt's text (acceptance by position over them: "
+        + ", ".join(f"{a:.3f}" for a in accept) + ")\n"
         f"- the largest error is {worst:.1%}: the goal, at most {GOAL_ERROR:.0%}, is "
         f"{'met' if worst <= GOAL_ERROR else 'not met'}\n\n" + "\n".join(lines) + "\n\n"
         "Scenarios: the roofline of each server (weights and KV read once a step, or the step's FLOPs, whichever is "
         "longer, plus a launch, and two all-reduces a layer in tensor parallel), the same for SLED and server-only "
         "(server-only on an engine at its floor); bf16 weights and KV, the KV pool 90% of the GPUs' memory after the "
         f"weights; requests of {workload.tokens} tokens after this workload's prompts; a 20 ms link round trip; the "
-        "drafts accepted as the real pair's above; p95 TTFT within "
+        "real pair's drafts replayed as above; p95 TTFT within "
         f"{args.slo_ttft_ms:g} ms; counts double from 1 until both modes miss the target.\n\n"
         + "\n".join(scen) + "\n")
 
@@ -632,7 +654,8 @@ def main(args) -> int:
     accept = acceptance_by_position(tables, fulls)
     cost, gap = fit_cost(rows), fit_gap(rows)
     workload = workload_of(ids, args.max_tokens)
-    here = Devices(drafting.ms_per_token / 1000, drafting.prefill_ms_per_token / 1000, accept)
+    replay = tuple(zip(tables, fulls))
+    here = Devices(drafting.ms_per_token / 1000, drafting.prefill_ms_per_token / 1000, accept, replay=replay)
     check = []
     for r in rows:
         n = r["devices"]
@@ -649,7 +672,7 @@ def main(args) -> int:
     for name, (gpu, shape, tp) in SCENARIOS.items():
         roof = Roofline(GPUS[gpu], SHAPES[shape], tp)
         for profile, draft_ms in DEVICE_PROFILES.items():
-            dev = Devices(draft_ms / 1000, PREFILL_SHARE * draft_ms / 1000, accept, rtt_s=0.02)
+            dev = Devices(draft_ms / 1000, PREFILL_SHARE * draft_ms / 1000, accept, rtt_s=0.02, replay=replay)
             for slo in slos:
                 target = {"p95_tpot_ms": slo, "p95_ttft_ms": args.slo_ttft_ms}
                 srv = lambda n: Server(roof, roof.kv_tokens(), 0.003, max(512, n * 10), n)  # noqa: E731

@@ -19,6 +19,39 @@ def test_acceptance_by_position_counts_each_position_after_the_ones_before_it_we
     assert got == pytest.approx((2 / 3, 1 / 2, 0.0))
 
 
+def test_a_replayed_draft_is_judged_along_its_prompts_text():
+    import random
+
+    full = [0, 1, 2, 3, 4, 5, 6, 7]
+    table = {2: [2, 3, 4], 3: [3, 9, 5], 5: [5, 6, 7]}
+    devices = Devices(0.01, 0.0, (0.0,), replay=((table, full),))
+    rng = random.Random(0)
+    assert devices.judge(0, 2, 2, rng) == (2, True)  # both right, and the drafter's next token (4) is the text's
+    assert devices.judge(0, 3, 3, rng) == (1, False)  # the second token is wrong
+    assert devices.judge(0, 5, 3, rng) == (3, False)  # all right; past what was recorded the bonus is drawn (0.0)
+    assert devices.judge(2, 2, 1, rng) == (1, True)  # prompts past the recorded ones wrap around
+    assert devices.judge(0, 4, 3, rng) == (0, False)  # no draft recorded here: drawn by position (0.0)
+    sure = Devices(0.01, 0.0, (1.0,))  # nothing replayed: drawn by position
+    assert sure.judge(0, 4, 3, rng) == (3, True)
+
+
+def test_a_fleet_replaying_its_prompts_meets_each_prompts_own_misses():
+    """Two prompts, one whose drafts are all right and one whose drafts all miss at their first token, on a server
+    whose step is slow beside the drafting: replayed, the second prompt's requests commit a token a step and set the
+    p95 TPOT; drawn at the pooled acceptance by position instead, every request meets misses alike."""
+    lens, tokens = (40, 50), 32
+    fulls = [list(range(n + tokens + 1)) for n in lens]
+    right = {n: fulls[0][n:n + 8] for n in range(lens[0], lens[0] + tokens)}
+    wrong = {n: [-1] * 8 for n in range(lens[1], lens[1] + tokens)}
+    accept = acceptance_by_position([right, wrong], fulls)
+    server = Server(LinearCost(0.020, 0.0, 0.0), kv_tokens=10 ** 6, window_s=0.001)
+    replayed = Fleet("sled", 2, Devices(0.002, 0.0, accept, replay=((right, fulls[0]), (wrong, fulls[1]))),
+                     WORK, server).run(30.0, 2.0)
+    drawn = Fleet("sled", 2, Devices(0.002, 0.0, accept), WORK, server).run(30.0, 2.0)
+    assert replayed["p95_tpot_ms"] >= 20.0  # a token a step
+    assert replayed["p95_tpot_ms"] > 1.5 * drawn["p95_tpot_ms"]
+
+
 def test_the_roofline_reads_the_weights_once_a_step_and_splits_them_over_tensor_parallel():
     h200, b8, b70 = GPUS["h200"], SHAPES["llama-8b"], SHAPES["llama-70b"]
     assert b8.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
