@@ -205,19 +205,19 @@ class DraftModes:
 
     So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
     committed tokens a second from verdict to verdict, after one trial that only warms up. Where the controller
-    knows what each round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens are
-    counted so, not as the text it met let them be accepted. The text moves a trial's
-    rate more than the mode does (an easy prompt, then a hard one), so each challenger is played between two trials
-    of a reference (K_max at first, then the mode being played) and scored against their mean: both see the same
-    stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the drafter
-    misses) can sink one reference trial and lift every challenger beside it. So the best challenger that scores
-    above 1 + SWITCH_MARGIN is played beside the reference once more, and takes over only where that second score is
-    above it too; where it is not, the next such challenger is played again, and where none is left the reference
-    stays. A challenger that scores above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes the
-    reference at once: the rest are played beside it, and a slow reference is not played between every trial. The
-    winner is played for a spell, after which its neighbours (the model's way, K doubled and halved) are tried
-    again. The spell doubles while the same mode wins. A fixed K is halved further only while halving it scored
-    above its reference. The warm-up trial is the model's way, played before the trials anyway."""
+    knows what each round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens
+    are counted so, not as the text it met let them be accepted. The text moves a trial's rate more than the mode
+    does (an easy prompt, then a hard one), so each challenger is played between two trials of a reference (K_max at
+    first, then the mode being played) and scored against their mean: both see the same stretch of text. Text is not
+    smooth, though: one hard stretch (a new prompt's opening, a passage the drafter misses) can sink one reference
+    trial and lift every challenger beside it. So the best challenger that scores above 1 + SWITCH_MARGIN is played
+    beside the reference once more, and takes over only where that second score is above it too; where it is not,
+    the next such challenger is played again, and where none is left the reference stays. A challenger that scores
+    above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes the reference at once: the rest are
+    played beside it, and a slow reference is not played between every trial. The winner is played for a spell,
+    after which its neighbours (the model's way, K doubled and halved) are tried again. The spell doubles while the
+    same mode wins. A fixed K is halved further only while halving it scored above its reference. The warm-up trial
+    is the model's way, played before the trials anyway."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
