@@ -173,13 +173,14 @@ class PositionAcceptance:
             self.seen[j] += 1.0
             self.hit[j] += 1.0 if j < accepted else 0.0
 
+    def chances(self, drafted: int) -> list[float]:
+        """P(the token at each position up to `drafted`, from 0, is accepted | those before it were)."""
+        mean = (sum(self.hit) + 0.5) / (sum(self.seen) + 1.0)  # what a position not seen yet is taken at
+        return [(self.hit[j] + self.PRIOR_WEIGHT * mean) / (self.seen[j] + self.PRIOR_WEIGHT)
+                if j < len(self.seen) else mean for j in range(drafted)]
+
     def chance(self, j: int) -> float:
-        """P(the token at position j, from 0, is accepted | those before it were)."""
-        seen, hit = sum(self.seen), sum(self.hit)
-        mean = (hit + 0.5) / (seen + 1.0)
-        if j >= len(self.seen):
-            return mean
-        return (self.hit[j] + self.PRIOR_WEIGHT * mean) / (self.seen[j] + self.PRIOR_WEIGHT)
+        return self.chances(j + 1)[j]
 
     def committed(self, drafted: int) -> float | None:
         """What a round of `drafted` tokens commits on average (its accepted tokens and the verdict's own), or None
@@ -187,8 +188,8 @@ class PositionAcceptance:
         if sum(self.seen) < self.MIN_TOKENS:
             return None
         total, reach = 1.0, 1.0
-        for j in range(drafted):
-            reach *= self.chance(j)
+        for p in self.chances(drafted):
+            reach *= p
             total += reach
         return total
 
