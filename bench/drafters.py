@@ -4,13 +4,16 @@ For each drafter and text set, the prompts run one after another (one device), g
 figures are acceptance rate (accepted / drafted), mean acceptance length (1 + accepted / rounds) and
 device tokens/s. The server and the device's drafting thread each have cores of their own, as on two machines.
 One drafter instance serves a whole set, so Cacheback's tables warm up across the
-set's prompts, as on a device that keeps running. Every drafter and set runs --repeats times, interleaved, and
-the run of median speed is shown. Writes its section of docs/benchmarks.md.
+set's prompts, as on a device that keeps running. With --adaptive, every mode (the adaptive K and each fixed K) is
+a device of its own, and the modes take turns prompt by prompt, so the host's drift falls on all of them alike.
+Every drafter and set runs --repeats times, interleaved, and the run of median speed is shown. Writes its section
+of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import os
 import shlex
@@ -31,7 +34,7 @@ from edge_client.tokenizer import Tokenizer
 from .cli import at_least, positive
 from sim.processes import ServerProcess
 from .report import machine, publish
-from .runner import Job, chat, run, summary
+from .runner import Job, Runner, chat, device_controller, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## Drafters: acceptance on repetitive, edit and free text"
@@ -86,11 +89,39 @@ def policy(k: int, adaptive: bool) -> DraftPolicy:
     return DraftPolicy(draft_tokens=k, adaptive=adaptive, max_draft_tokens=k)
 
 
-def run_set(address, tokenizer, drafter, texts, max_tokens, k, adaptive=False):
-    """One device through a set's prompts in turn, with one drafter: its summary, and what the answers copy."""
-    jobs = [Job(drafter, Request(ids, max_tokens=max_tokens, policy=policy(k, adaptive)))
-            for ids in chat(tokenizer, texts)]
-    rows = run(address, tokenizer, jobs, together=False).results
+def turns(prompts: int, modes: int) -> list[tuple[int, int]]:
+    """(prompt, mode) in the order run_modes plays them: every mode through each prompt before the next prompt, the
+    first mode moving on by one each prompt, so no mode always meets the host just after another."""
+    return [(i, (i + j) % modes) for i in range(prompts) for j in range(modes)]
+
+
+def run_modes(address, tokenizer, make_drafter, texts, max_tokens, modes) -> list[dict]:
+    """Each mode (label, K, adaptive) as a device of its own (its drafter from make_drafter(), its controller kept
+    across its requests) through a set's prompts, the modes taking turns prompt by prompt: a mode's figures span the
+    same minutes of the host as every other's, so its drift between them is not read as a mode's speed. A row each."""
+    devices: list[tuple] = []
+    results: list[list] = [[] for _ in modes]
+
+    async def main() -> None:
+        async with Runner(address, tokenizer) as runner:
+            for i, m in turns(len(texts), len(modes)):
+                drafter, controller = devices[m]
+                request = Request(prompt_ids[i], max_tokens=max_tokens, policy=policy(*modes[m][1:]))
+                results[m].append(await runner.generate(Job(drafter, request), controller))
+
+    prompt_ids = chat(tokenizer, texts)
+    try:
+        for _, k, adaptive in modes:
+            devices.append((make_drafter(), device_controller(policy(k, adaptive))))
+        asyncio.run(main())
+        return [set_row(d, done, k) for (d, _), done, (_, k, _) in zip(devices, results, modes)]
+    finally:
+        for d, _ in devices:
+            d.close()
+
+
+def set_row(drafter, rows, k: int) -> dict:
+    """A device's figures over a set's generations, and what the answers copy."""
     copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
     walks = [guess_walk(r.prompt_token_ids, r.token_ids, k - 1) for r in rows]
     s = summary(rows)
@@ -452,18 +483,21 @@ def main(args) -> int:
                            "--max-draft-tokens", str(max(16, *(m[1] for m in modes)))) as address:
             tokenizer = Tokenizer()
             for repeat in range(args.repeats):  # every drafter once a repeat, so a slow spell of the host hits all
-                for (name, (kind, opts)), (label, prompts), (mode, mode_k, adaptive) in itertools.product(
-                        compared.items(), sets, modes):
+                for (name, (kind, opts)), (label, prompts) in itertools.product(compared.items(), sets):
                     print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text"
-                          + (f", K {mode}" if args.adaptive else "") + " ...", end=" ", flush=True)
-                    d = create_drafter(kind, opts)
-                    paced = d if args.device_pace == 1.0 else Paced(d, args.device_pace)
-                    try:
-                        row = run_set(address, tokenizer, paced, prompts, args.max_tokens, mode_k, adaptive)
-                    finally:
-                        d.close()
-                    runs.setdefault((name, label, mode), []).append(row)
-                    print(f"acceptance {row['acceptance_rate']:.2f}, {row['tokens_per_s']:.1f} tok/s", flush=True)
+                          + (f", K {'/'.join(m[0] for m in modes)} prompt by prompt" if args.adaptive else "")
+                          + " ...", end=" ", flush=True)
+
+                    def make_drafter():
+                        d = create_drafter(kind, opts)
+                        return d if args.device_pace == 1.0 else Paced(d, args.device_pace)
+
+                    done = run_modes(address, tokenizer, make_drafter, prompts, args.max_tokens, modes)
+                    for (mode, _, _), row in zip(modes, done):
+                        runs.setdefault((name, label, mode), []).append(row)
+                    print(", ".join(f"{'K ' + mode + ': ' if args.adaptive else ''}acceptance "
+                                    f"{row['acceptance_rate']:.2f}, {row['tokens_per_s']:.1f} tok/s"
+                                    for (mode, _, _), row in zip(modes, done)), flush=True)
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1
@@ -508,14 +542,16 @@ def main(args) -> int:
         f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
         f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
         + (f"K chosen each round by the device's adaptive controller, at most {args.draft_tokens}, beside fixed K = "
-           + ", ".join(m[0] for m in modes[1:]) + " in the same run (every mode once a repeat, interleaved)"
+           + ", ".join(m[0] for m in modes[1:])
+           + " in the same run (a device each, the modes taking turns prompt by prompt)"
            if args.adaptive else f"K = {args.draft_tokens}")
         + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "
         f"whose answers repeat their input (docstrings, reformatting, rewriting) and {len(FREE)} free questions"
         + (f", and held-out: the first {len(dict(sets)['held-out'])} held-out prompts of the first trained drafter's "
            "corpus (its .json's, never trained on)" if "held-out" in dict(sets) else "")
-        + "; chat template; one device, prompts one after another, one drafter instance a set"
+        + "; chat template; one device" + (" a mode" if args.adaptive else "")
+        + ", prompts one after another, one drafter instance a set"
         + (" (and one adaptive controller, as a device keeps)" if args.adaptive else "")
         + f"; {args.repeats} runs of each, "
         "interleaved, and the run of median device tok/s shown\n"

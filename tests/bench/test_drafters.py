@@ -174,3 +174,39 @@ def test_the_held_out_set_is_the_first_trained_drafters_own(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"kind": "autoregressive", "trained": {"layers": 8,
                                                                                        "head_layers": 1}}))
     assert trained_drafters(Namespace(early_exit=None, trained=[str(tmp_path / "old.onnx")]), tmp_path)[2] == []
+
+
+def test_the_modes_take_turns_prompt_by_prompt_each_a_device_of_its_own(tiny_server, tokenizer):
+    """--adaptive: each mode is a device with its own drafter, through every prompt of the set, the modes taking
+    turns prompt by prompt (the first mode moving on each prompt); each row is its mode's own generations."""
+    from bench.drafters import run_modes, turns
+    from edge_client.drafters import DrafterOptions, create_drafter
+
+    assert turns(2, 3) == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 0)]
+    played, made = [], []
+
+    class Recorded:
+        def __init__(self):
+            self.inner, self.closed = create_drafter("ngram", DrafterOptions()), False
+            made.append(self)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def begin(self, context, sampling):
+            played.append((made.index(self), tuple(context)))
+            self.inner.begin(context, sampling)
+
+        def close(self):
+            self.closed = True
+            self.inner.close()
+
+    texts = ["Count from 1 to 9.", "Name three colours."]
+    modes = [("adaptive", 4, True), ("2", 2, False), ("4", 4, False)]
+    rows = run_modes(tiny_server.address, tokenizer, Recorded, texts, 8, modes)
+    assert len(rows) == 3 and len(made) == 3 and all(d.closed for d in made)
+    prompts = sorted({context for _, context in played}, key=[c for _, c in played].index)
+    assert len(prompts) == 2  # the set's two prompts, the first played by every mode before the second
+    assert [(device, prompts.index(context)) for device, context in played] == [(m, i) for i, m in turns(2, 3)]
+    assert all(r["tokens"] == 16 for r in rows)  # each device generated both answers (8 tokens each)
+    assert rows[1]["draft_tokens_per_round"] <= 2 and rows[2]["draft_tokens_per_round"] <= 4
