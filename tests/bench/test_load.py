@@ -203,7 +203,9 @@ def test_over_a_link_sled_pays_the_round_trip_each_round_and_server_only_once_a_
     assert rounds(sled)[0] >= 0.05  # every SLED round: a draft out and its verdict back
     # server-only: each request's Open pays the round trip, and its tokens then stream
     assert all(r.elapsed_s >= 0.05 for r in linked.results)
-    assert rounds(linked)[len(rounds(linked)) // 2] < 0.05 > rounds(loopback)[len(rounds(loopback)) // 2]
+    # its tokens come a step apart, as on loopback: the link adds less than half its round trip to their gap
+    over_link, on_loopback = (rounds(w)[len(rounds(w)) // 2] for w in (linked, loopback))
+    assert over_link - on_loopback < 0.025
     assert all(t == 1 for dev in linked.rounds for _, t, _ in dev)  # a token a verdict
     assert linked.link_cpu is not None and linked.link_cpu >= 0 and loopback.link_cpu is None
     assert relay.relayed.startswith("relayed ") and int(relay.relayed.split()[1]) > 0
