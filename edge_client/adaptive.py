@@ -208,8 +208,9 @@ class DraftModes:
     committed tokens a second from verdict to verdict, after one trial that only warms up. Where the controller
     knows what each round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens
     are counted so, not as the text it met let them be accepted. The text moves a trial's rate more than the mode
-    does (an easy prompt, then a hard one), so each challenger is played between two trials of a reference (K_max at
-    first, then the mode being played) and scored against their mean: both see the same stretch of text. Text is not
+    does (an easy prompt, then a hard one), so each challenger is played between two trials of a reference (at first
+    the fixed K the model rates fastest after the warm-up, K_max where it rates none; then the mode being played) and
+    scored against their mean: both see the same stretch of text. Text is not
     smooth, though: one hard stretch (a new prompt's opening, a passage the drafter misses) can sink one reference
     trial and lift every challenger beside it. So the best challenger that scores above 1 + SWITCH_MARGIN is played
     beside the reference once more, and takes over only where that second score is above it too; where it is not,
@@ -229,9 +230,11 @@ class DraftModes:
     # A challenger's lead that moves the reference to it: beyond what one hard stretch of text does to a trial.
     MOVE_MARGIN = 0.15
 
-    def __init__(self, k_max: int, try_fixed: bool = True, worth: Callable[[int], bool] = lambda k: True):
+    def __init__(self, k_max: int, try_fixed: bool = True, worth: Callable[[int], bool] = lambda k: True,
+                 rate: Callable[[int], float | None] = lambda k: None):
         self.k_max = k_max
         self.worth = worth  # whether a fixed K is worth a trial (the model's rate for it is not far below its best)
+        self.model_rate = rate  # a fixed K's committed tokens a second in the model (None: no model yet)
         self.fixed = []  # the fixed K tried: k_max, then halving, down to 2 (none: the model's way alone)
         k = k_max if try_fixed else 0
         while k >= 2:
@@ -295,7 +298,9 @@ class DraftModes:
         rate = self.priced / self.seconds if self.seconds > 0 else 0.0
         self.tokens, self.seconds, self.rounds, self.priced = 0, 0.0, 0, 0.0
         if self.warming:  # the trials proper start with the reference
-            self.warming, self.mode = False, self.reference
+            self.warming = False
+            self.start_from_model()
+            self.mode = self.reference
             return
         self.rate[self.mode] = rate
         if self.best is not None:  # the spell is over: the modes beside it are tried against it
@@ -327,6 +332,19 @@ class DraftModes:
             best = self.reference
         self.spell = self.spell * 2 if best == self.last_best else self.FIRST_SPELL
         self.last_best = self.best = self.mode = best
+
+    def start_from_model(self) -> None:
+        """After the warm-up, the reference is the fixed K the model rates fastest (K_max where it rates none), and the
+        challengers the model's way and the fixed K beside it: the likeliest winner is the mode played between the
+        trials, not K_max, which on hard text is often the slowest."""
+        rates = {k: self.model_rate(k) for k in self.fixed if self.worth(k)}
+        rated = {k: r for k, r in rates.items() if r is not None}
+        if not rated:
+            return
+        best = max(rated, key=rated.get)
+        if best != self.reference:
+            i = self.fixed.index(best)
+            self.trials(best, [MODEL] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != best and self.worth(k)])
 
     def halve(self, mode: int) -> None:
         """After a fixed K's score: its half is tried next while halving scores above the reference."""
@@ -432,19 +450,23 @@ class AdaptiveDraftLength:
         self.k = self.played(self.model_k)
 
     def new_modes(self) -> DraftModes:
-        return DraftModes(self.k_max, self.TRY_FIXED, self.worth_trial)
+        return DraftModes(self.k_max, self.TRY_FIXED, self.worth_trial, self.model_rate)
 
     def bound_modes(self) -> None:
         """Fresh trials where K's bound changed: the fixed K tried are K_max and its halves."""
         if self.modes.k_max != self.k_max:
             self.modes = self.new_modes()
 
+    def model_rate(self, k: int) -> float | None:
+        """A round of k drafted tokens' committed tokens a second in the model (None until it has one)."""
+        return None if self.cost is None else self.cost.tokens(k) / self.cost.seconds(k)
+
     def worth_trial(self, k: int) -> bool:
         """Whether a fixed K is worth a trial: its rate in the model is not far below the model's best K's."""
         if self.cost is None:
             return True
-        rate = [self.cost.tokens(j) / self.cost.seconds(j) for j in range(self.k_min, self.k_max + 1)]
-        return self.cost.tokens(k) / self.cost.seconds(k) >= self.WORTH_TRIAL * max(rate)
+        best = max(self.model_rate(j) for j in range(self.k_min, self.k_max + 1))
+        return self.model_rate(k) >= self.WORTH_TRIAL * best
 
     @property
     def model_played(self) -> bool:

@@ -44,11 +44,11 @@ def test_a_fixed_k_that_commits_faster_than_the_models_way_is_played_and_finishe
     ctrl = AdaptiveDraftLength.for_device(8, ahead=True)
     rates = {MODEL: 50.0, 8: 66.0, 4: 60.0, 2: 55.0}
     played = play(ctrl, rates.get, 120)
-    # the model's way until it has a model (two rounds) and through the warm-up trial, then K = 8, the reference
-    # each other mode is played beside; 2 not, 4 being slower than 8
-    assert played[:3] == [MODEL] * 3 and next(m for m in played if m != MODEL) == 8
-    assert set(played[:40]) == {MODEL, 8, 4}
-    assert 2 not in played
+    # the model's way until it has a model (two rounds) and through the warm-up trial, then the fixed K the model
+    # rates fastest (4: every draft is kept, and a longer one lengthens the step) as the reference each other mode
+    # is played beside, its neighbours 8 and 2 among them; K = 8, measured fastest, takes over
+    assert played[:3] == [MODEL] * 3 and next(m for m in played if m != MODEL) == 4
+    assert set(played[:40]) == {MODEL, 8, 4, 2}
     assert ctrl.modes.best == 8 and ctrl.k == 8
     assert not ctrl.answers_at_once(8, 3, busy=True) and not ctrl.empty_after_miss(0.0)
     assert ctrl.stop_rule() is None
@@ -302,3 +302,16 @@ def test_the_acceptance_by_position_prices_a_draft_by_its_recent_rounds():
     for _ in range(2000):  # the text changes: now every token is accepted, and the old rounds fade
         pos.observe(4, 4)
     assert pos.committed(4) > 4.9
+
+
+def test_the_first_reference_is_the_fixed_k_the_model_rates_fastest():
+    """After the warm-up the reference is the fixed K the model rates fastest, the challengers the model's way and the
+    fixed K beside it: where K_max is the slowest (hard text), it is not played between every other trial. Without
+    a model's rates, K_max is the reference."""
+    measured = {MODEL: 50.0, 8: 40.0, 4: 50.0, 2: 56.0}
+    rated = DraftModes(8, rate={8: 40.0, 4: 50.0, 2: 55.0}.get)
+    trials = trials_until_a_winner(rated, 4, lambda mode, done: measured[mode])
+    assert trials == [MODEL, 2, MODEL, 2, 4, 2] and rated.best == 2
+    unrated = DraftModes(8)
+    trials = trials_until_a_winner(unrated, 4, lambda mode, done: measured[mode])
+    assert trials == [MODEL, 8, MODEL, 8, 4, MODEL] and unrated.best == MODEL  # K = 2, the fastest, never tried
