@@ -99,6 +99,7 @@ def run_modes(address, tokenizer, make_drafter, texts, max_tokens, modes) -> lis
     """Each mode (label, K, adaptive) as a device of its own (its drafter from make_drafter(), its controller kept
     across its requests) through a set's prompts, the modes taking turns prompt by prompt: a mode's figures span the
     same minutes of the host as every other's, so its drift between them is not read as a mode's speed. A row each."""
+    prompt_ids = chat(tokenizer, texts)
     devices: list[tuple] = []
     results: list[list] = [[] for _ in modes]
 
@@ -109,7 +110,6 @@ def run_modes(address, tokenizer, make_drafter, texts, max_tokens, modes) -> lis
                 request = Request(prompt_ids[i], max_tokens=max_tokens, policy=policy(*modes[m][1:]))
                 results[m].append(await runner.generate(Job(drafter, request), controller))
 
-    prompt_ids = chat(tokenizer, texts)
     try:
         for _, k, adaptive in modes:
             devices.append((make_drafter(), device_controller(policy(k, adaptive))))

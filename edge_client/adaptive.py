@@ -210,16 +210,16 @@ class DraftModes:
     are counted so, not as the text it met let them be accepted. The text moves a trial's rate more than the mode
     does (an easy prompt, then a hard one), so each challenger is played between two trials of a reference (at first
     the fixed K the model rates fastest after the warm-up, K_max where it rates none; then the mode being played) and
-    scored against their mean: both see the same stretch of text. Text is not
-    smooth, though: one hard stretch (a new prompt's opening, a passage the drafter misses) can sink one reference
-    trial and lift every challenger beside it. So the best challenger that scores above 1 + SWITCH_MARGIN is played
-    beside the reference once more, and takes over only where that second score is above it too; where it is not,
-    the next such challenger is played again, and where none is left the reference stays. A challenger that scores
-    above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes the reference at once: the rest are
-    played beside it, and a slow reference is not played between every trial. The winner is played for a spell,
-    after which its neighbours (the model's way, K doubled and halved) are tried again. The spell doubles while the
-    same mode wins. A fixed K is halved further only while halving it scored above its reference. The warm-up trial
-    is the model's way, played before the trials anyway."""
+    scored against their mean: both see the same stretch of text. Text is not smooth, though: one hard stretch (a new
+    prompt's opening, a passage the drafter misses) can sink one reference trial and lift every challenger beside
+    it. So the best challenger that scores above 1 + SWITCH_MARGIN is played beside the reference once more, and
+    takes over only where that second score is above it too; where it is not, the next such challenger is played
+    again, and where none is left the reference stays. A challenger that scores above 1 + MOVE_MARGIN, more than
+    one sunk trial moves a score, becomes the reference at once: the rest are played beside it, and a slow
+    reference is not played between every trial. The winner is played for a spell, after which its neighbours (the
+    model's way, K doubled and halved) are tried again. The spell doubles while the same mode wins. A fixed K is
+    halved further only while halving it scored above its reference. The warm-up trial is the model's way, played
+    before the trials anyway."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
@@ -337,8 +337,7 @@ class DraftModes:
         """After the warm-up, the reference is the fixed K the model rates fastest (K_max where it rates none), and the
         challengers the model's way and the fixed K beside it: the likeliest winner is the mode played between the
         trials, not K_max, which on hard text is often the slowest."""
-        rates = {k: self.model_rate(k) for k in self.fixed if self.worth(k)}
-        rated = {k: r for k, r in rates.items() if r is not None}
+        rated = {k: r for k in self.fixed if self.worth(k) and (r := self.model_rate(k)) is not None}
         if not rated:
             return
         best = max(rated, key=rated.get)
