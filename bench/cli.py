@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "system": ("bench.system", "SLED, server-only and device-only at several device counts with replayed drafts; "
                                "adaptive against fixed K, drafting ahead against waiting"),
-    "capacity": ("bench.capacity", "the most devices each mode serves within a p95 inter-token latency target"),
+    "capacity": ("bench.capacity", "the most devices each mode serves within a p95 TPOT and TTFT target"),
     "first": ("bench.first", "first figures (make bench): SLED against server-only, devices on the server's cores"),
     "drafters": ("bench.drafters", "every drafter's acceptance and speed on repetitive, edit and free text; "
                                    "stacked drafters against the model alone"),
