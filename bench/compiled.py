@@ -8,8 +8,9 @@ NxT is N sessions verifying T tokens each over --context cached tokens, every se
 runners share one pool and take the same steps, interleaved round by round: `eager` (PyTorch, the server's default
 path), `fused` (the C step: Llama, Qwen2 and Qwen3) and `compiled` (verify_server/compiled.py, every bucket the sizes
 need compiled first; the compile time is reported). The logits of the three are checked against eager's first.
-Beside them, a floor no runner can beat: the step's projections (every linear layer's multiply-adds, the logits'
-among them) at this CPU's measured float32 matrix-product peak.
+Beside them, a floor (a roofline): the larger of the step's projections (every linear layer's multiply-adds, the
+logits' among them) at this CPU's measured float32 matrix-product peak and its bytes (the weights and the sessions'
+KV, each read once) at the measured copy bandwidth, as `sled-bench engine` sets its batch-1 floor.
 Writes its section of docs/benchmarks.md and, with --json, the rows.
 """
 
@@ -24,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .cli import positive
-from .report import machine, publish
+from .report import copy_bandwidth, machine, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## Compiled step beside eager and fused (CPU)"
@@ -101,7 +102,7 @@ def matmul_peak() -> float:
     return 2 * 2048 ** 3 / best
 
 
-def run_family(kind: str, args, peaks: list[float]) -> tuple[list[dict], dict]:
+def run_family(kind: str, args, peaks: list[float], bandwidths: list[float]) -> tuple[list[dict], dict]:
     import torch
 
     from kernels.attention import Segment
@@ -153,12 +154,18 @@ def run_family(kind: str, args, peaks: list[float]) -> tuple[list[dict], dict]:
                     runner.forward(inp)
                     times[(name, size)].append(time.perf_counter() - t1)
         peaks.append(matmul_peak())  # between rounds too: the host's speed drifts, and the floor takes its best
-    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        bandwidths.append(copy_bandwidth())
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = sum(w.numel() for w in linears)
+    weight_bytes = sum(w.numel() * w.element_size() for w in linears)
+    layers, kv_heads, _, head_dim = kv.k.shape
+    kv_token = 2 * layers * kv_heads * head_dim * kv.k.element_size()  # a token's K and V in every layer
     rows = []
     for size in args.sizes:
         p50 = {name: statistics.median(times[(name, size)]) * 1000 for name in runners}
         rows.append({"family": kind, "sessions": size[0], "tokens": size[1], "context": args.context,
                      "flop": 2 * weights * size[0] * size[1],  # the projections' (every token is a logit row here)
+                     "bytes": weight_bytes + kv_token * size[0] * (args.context + size[1]),
                      **{f"{name}_ms": ms for name, ms in p50.items()},
                      "compiled_over_eager": p50["eager"] / p50["compiled"],
                      "compiled_over_fused": p50["fused"] / p50["compiled"] if "fused" in p50 else None})
@@ -171,26 +178,28 @@ def main(args) -> int:
     import torch
 
     rows, meta = [], []
-    peaks = [matmul_peak()]
+    peaks, bandwidths = [matmul_peak()], [copy_bandwidth()]
     for kind in args.families:
-        got, info = run_family(kind, args, peaks)
+        got, info = run_family(kind, args, peaks, bandwidths)
         rows += got
         meta.append(info)
-    peak = max(peaks)
-    print(f"[bench] float32 matrix products at {peak / 1e9:.0f} GFLOP/s here (best of {len(peaks)} measures)",
-          flush=True)
+    peak, bandwidth = max(peaks), max(bandwidths)
+    print(f"[bench] float32 matrix products at {peak / 1e9:.0f} GFLOP/s, copies at {bandwidth / 1e9:.1f} GB/s here "
+          f"(best of {len(peaks)} measures)", flush=True)
     for r in rows:
-        r["floor_ms"] = r["flop"] / peak * 1000
+        r.update(flop_per_s=peak, copy_bytes_per_s=bandwidth)
+        r["floor_ms"] = max(r["flop"] / peak, r["bytes"] / bandwidth) * 1000
+        r["floor_bound"] = "compute" if r["flop"] / peak >= r["bytes"] / bandwidth else "memory"
         r["eager_over_floor"] = r["eager_ms"] / r["floor_ms"]
     lines = ["| family | sessions × tokens | eager ms | fused ms | compiled ms | eager / compiled | "
-             "fused / compiled | projections' floor ms | eager / floor |",
+             "fused / compiled | floor ms | eager / floor |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fused = f"{r['fused_ms']:.1f}" if "fused_ms" in r else "—"
         over_fused = f"{r['compiled_over_fused']:.2f}x" if r["compiled_over_fused"] else "—"
         lines.append(f"| {r['family']} | {r['sessions']} × {r['tokens']} | {r['eager_ms']:.1f} | {fused} | "
                      f"{r['compiled_ms']:.1f} | {r['compiled_over_eager']:.2f}x | {over_fused} | "
-                     f"{r['floor_ms']:.1f} | {r['eager_over_floor']:.2f}x |")
+                     f"{r['floor_ms']:.1f} ({r['floor_bound']}) | {r['eager_over_floor']:.2f}x |")
     compiles = ", ".join(f"{m['family']} {m['compile_s']:.0f} s" for m in meta)
     worst = max(m["max_logit_difference"] for m in meta)
     command = "sled-bench compiled " + shlex.join(sys.argv[2:])
@@ -202,10 +211,11 @@ def main(args) -> int:
         f"sessions verifying T tokens over {args.context} cached tokens. Step p50 in ms, the runners interleaved "
         f"over {args.rounds} rounds of {args.steps} steps. The compiled step's buckets compiled first ({compiles}); "
         f"the largest logit difference from eager was {worst:.1e}. The fused C step computes Llama's block and "
-        "Qwen3's (its q and k norms). The projections' floor is the step's linear layers (the logits' too: every "
-        f"token is a logit row) at this CPU's float32 matrix-product rate, {peak / 1e9:.0f} GFLOP/s (the best of "
-        f"{len(peaks)} measures, each the best of three products of 2048 x 2048, taken between rounds): no runner is "
-        "faster than it.",
+        "Qwen3's (its q and k norms). The floor is a roofline, the larger of two times: the step's linear layers "
+        "(the logits' too: every token is a logit row) at this CPU's float32 matrix-product rate, "
+        f"{peak / 1e9:.0f} GFLOP/s (each measure the best of three products of 2048 x 2048), and the weights and "
+        f"the sessions' KV read once at its copy bandwidth, {bandwidth / 1e9:.1f} GB/s (bytes read and written, "
+        f"1 GiB buffers; as `sled-bench engine`); each the best of {len(peaks)} measures taken between rounds.",
         "", *lines, ""])
     publish(args.markdown, MARKER, section, args.json, rows)
     return 0
