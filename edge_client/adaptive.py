@@ -179,9 +179,6 @@ class PositionAcceptance:
         return [(self.hit[j] + self.PRIOR_WEIGHT * mean) / (self.seen[j] + self.PRIOR_WEIGHT)
                 if j < len(self.seen) else mean for j in range(drafted)]
 
-    def chance(self, j: int) -> float:
-        return self.chances(j + 1)[j]
-
     def committed(self, drafted: int) -> float | None:
         """What a round of `drafted` tokens commits on average (its accepted tokens and the verdict's own), or None
         while too little is seen."""

@@ -294,10 +294,12 @@ def test_the_acceptance_by_position_prices_a_draft_by_its_recent_rounds():
     assert pos.committed(4) is None  # nothing seen yet
     for _ in range(40):
         pos.observe(4, 2)  # two accepted, the third rejected, the fourth never reached
-    assert pos.chance(0) > 0.95 and pos.chance(1) > 0.95 and pos.chance(2) < 0.05
-    assert pos.chance(3) == pytest.approx(pos.chance(7))  # unseen positions: the average acceptance
+    p = pos.chances(8)
+    assert p[0] > 0.95 and p[1] > 0.95 and p[2] < 0.05
+    assert p[3] == pytest.approx(p[7])  # unseen positions: the average acceptance
+    assert pos.chances(3) == p[:3]  # a position's chance does not depend on how far the draft reaches
     assert pos.committed(0) == 1.0  # the verdict's own token
-    assert pos.committed(2) == pytest.approx(1 + pos.chance(0) + pos.chance(0) * pos.chance(1))
+    assert pos.committed(2) == pytest.approx(1 + p[0] + p[0] * p[1])
     assert 2.9 < pos.committed(8) < 3.1  # past the third token nearly nothing more
     for _ in range(2000):  # the text changes: now every token is accepted, and the old rounds fade
         pos.observe(4, 4)
