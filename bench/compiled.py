@@ -187,9 +187,9 @@ def main(args) -> int:
     print(f"[bench] float32 matrix products at {peak / 1e9:.0f} GFLOP/s, copies at {bandwidth / 1e9:.1f} GB/s here "
           f"(best of {len(peaks)} measures)", flush=True)
     for r in rows:
-        r.update(flop_per_s=peak, copy_bytes_per_s=bandwidth)
-        r["floor_ms"] = max(r["flop"] / peak, r["bytes"] / bandwidth) * 1000
-        r["floor_bound"] = "compute" if r["flop"] / peak >= r["bytes"] / bandwidth else "memory"
+        compute_s, memory_s = r["flop"] / peak, r["bytes"] / bandwidth
+        r.update(flop_per_s=peak, copy_bytes_per_s=bandwidth, floor_ms=max(compute_s, memory_s) * 1000,
+                 floor_bound="compute" if compute_s >= memory_s else "memory")
         r["eager_over_floor"] = r["eager_ms"] / r["floor_ms"]
     lines = ["| family | sessions × tokens | eager ms | fused ms | compiled ms | eager / compiled | "
              "fused / compiled | floor ms | eager / floor |",
