@@ -6,7 +6,7 @@ device tokens/s. The server and the device's drafting thread each have cores of 
 One drafter instance serves a whole set, so Cacheback's tables warm up across the
 set's prompts, as on a device that keeps running. With --adaptive, every mode (the adaptive K and each fixed K) is
 a device of its own, and the modes take turns prompt by prompt, so the host's drift falls on all of them alike.
-Every drafter and set runs --repeats times, interleaved, and the run of median speed is shown. Writes its section
+Every drafter and set runs --repeats times, interleaved, and each row pools its runs. Writes its section
 of docs/benchmarks.md.
 """
 
@@ -34,7 +34,7 @@ from edge_client.tokenizer import Tokenizer
 from .cli import at_least, positive
 from sim.processes import ServerProcess
 from .report import machine, publish
-from .runner import Job, Runner, chat, device_controller, summary
+from .runner import Job, Runner, chat, device_controller, figures, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "## Drafters: acceptance on repetitive, edit and free text"
@@ -129,8 +129,8 @@ def set_row(drafter, rows, k: int) -> dict:
         drafter, "checks") else {}  # a stacked drafter's lifetime counts: this set's, as it serves one set
     return checks | {"copied": copied / s["tokens"] if s["tokens"] else 0.0, "tokens": s["tokens"],
                      "walk_kept": sum(w[0] for w in walks), "walk_checks": sum(w[1] for w in walks),
-                     **{key: s[key] for key in ("acceptance_rate", "mean_acceptance_length",
-                                                "draft_tokens_per_round", "tokens_per_s")}}
+                     **{key: s[key] for key in ("drafted", "accepted", "rounds", "elapsed_s", "acceptance_rate",
+                                                "mean_acceptance_length", "draft_tokens_per_round", "tokens_per_s")}}
 
 
 def copied_tokens(prompt: list[int], answer: list[int]) -> int:
@@ -166,12 +166,15 @@ def tool(script: str, *args: str) -> None:
         raise RuntimeError(f"scripts/{script} failed: {done.stderr.strip()[-2000:]}")
 
 
-def median_run(name: str, label: str, done: list[dict]) -> dict:
-    """One row of a drafter and set: the run of median device tok/s (greedy runs draft alike, so only speed
-    varies), with every run's tok/s."""
-    ranked = sorted(done, key=lambda r: r["tokens_per_s"])
-    return ranked[(len(ranked) - 1) // 2] | {"drafter": name, "text": label,
-                                             "runs_tokens_per_s": [r["tokens_per_s"] for r in done]}
+def pooled_run(name: str, label: str, done: list[dict]) -> dict:
+    """One row of a drafter and set: the device's figures over all its runs together (their counts summed, so device
+    tok/s is every run's tokens over every run's time), with each run's tok/s. A run's speed moves by several percent
+    on a shared host: pooled, its noise shrinks with the runs' number."""
+    counts = {key: sum(r[key] for r in done) for key in ("tokens", "drafted", "accepted", "rounds", "elapsed_s")}
+    stacked = {key: sum(r[key] for r in done) for key in ("checks", "guessed", "kept") if key in done[0]}
+    return done[0] | stacked | figures(loosely_accepted=0, **counts) | {
+        "drafter": name, "text": label, "runs_tokens_per_s": [r["tokens_per_s"] for r in done],
+        "answer_tokens": done[0]["tokens"]}  # one run's: greedy answers are the same in every run
 
 
 class Paced:
@@ -260,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the verify server's torch threads (default: the host's cores but one, the device's "
                         "drafting thread's)")
     p.add_argument("--repeats", type=positive(int), default=3,
-                   help="runs of every drafter and set, interleaved; the table has each one's median (default 3)")
+                   help="runs of every drafter and set, interleaved; a row is all of them together (default 3)")
     p.add_argument("--onnx-model", help="ONNX draft to use (default: export the full model, int8, to a temp dir)")
     p.add_argument("--requantized", default="q2_k", metavar="TYPES",
                    help="comma-separated quantizations the Q4_1 drafter is requantized to, one row each, e.g. "
@@ -307,9 +310,10 @@ def fixed_ks(k_max: int, given: list[int] | None) -> list[int]:
 
 
 def adaptive_goals(rows: list[dict]) -> str:
-    """Each drafter's adaptive K against its best fixed K of the run, text set by text set (goal 0.98x); and, where
-    the rows keep every pass's tok/s, each pass's adaptive run against the best fixed K of that pass: the modes of one
-    pass ran back to back, so the host's drift between passes leaves the ratio."""
+    """Each drafter's adaptive K against its best fixed K of the run (both over all their runs), text set by text set
+    (goal 0.98x); and, where the rows keep every pass's tok/s, each pass's adaptive run over that K's run of the same
+    pass (the modes of a pass ran back to back, so the host's drift between passes leaves the ratio), with the
+    passes' standard error: how far the run's ratio can be trusted."""
     out = []
     for name in dict.fromkeys(r["drafter"] for r in rows):
         parts, passes = [], []
@@ -320,25 +324,25 @@ def adaptive_goals(rows: list[dict]) -> str:
             if adaptive and fixed:
                 best = max(fixed, key=lambda r: r["tokens_per_s"])
                 parts.append(f"{text} {adaptive[0]['tokens_per_s'] / best['tokens_per_s']:.2f}x (K = {best['k']})")
-                ratios = paired(adaptive[0], fixed)
-                if ratios:
-                    passes.append(f"{text} {'/'.join(f'{x:.2f}' for x in ratios)}x (median "
-                                  f"{statistics.median(ratios):.2f}x)")
+                ratios = paired(adaptive[0], best)
+                if len(ratios) > 1:
+                    error = statistics.stdev(ratios) / len(ratios) ** 0.5
+                    passes.append(f"{text} {'/'.join(f'{x:.2f}' for x in ratios)}x (standard error {error:.2f})")
         if parts:
             out.append(f"- {name}, adaptive K / the best fixed K, device tok/s: {', '.join(parts)} (goal at least "
                        "0.98x for a drafter with a model)")
         if passes:
-            out.append(f"- {name}, pass by pass (each adaptive run over the best fixed K of its own pass): "
+            out.append(f"- {name}, pass by pass (each adaptive run over that fixed K's run of its pass): "
                        + ", ".join(passes))
     return "\n".join(out)
 
 
-def paired(adaptive: dict, fixed: list[dict]) -> list[float]:
-    """Each pass's adaptive tok/s over the best fixed K's of that pass (none where the rows lack their passes)."""
-    runs = [r.get("runs_tokens_per_s") for r in [adaptive, *fixed]]
-    if not all(runs) or len({len(r) for r in runs}) != 1:
+def paired(adaptive: dict, fixed: dict) -> list[float]:
+    """Each pass's adaptive tok/s over the fixed K's of that pass (none where the rows lack their passes)."""
+    a, f = adaptive.get("runs_tokens_per_s"), fixed.get("runs_tokens_per_s")
+    if not a or not f or len(a) != len(f):
         return []
-    return [a / max(r[i] for r in runs[1:]) for i, a in enumerate(runs[0])]
+    return [x / y for x, y in zip(a, f)]
 
 
 def marker(pace: float, adaptive: bool = False, trained: bool = False) -> str:
@@ -501,7 +505,7 @@ def main(args) -> int:
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1
-    rows = [median_run(name, label, done) | {"k": mode} for (name, label, mode), done in runs.items()]
+    rows = [pooled_run(name, label, done) | {"k": mode} for (name, label, mode), done in runs.items()]
     main_rows = [r for r in rows if r["k"] == modes[0][0]]  # the adaptive K's, or the one fixed K's
     lines = ["| drafter | text |" + (" K |" if args.adaptive else "")
              + " copied | acceptance | mean accept. length | drafted / round | device tok/s |",
@@ -517,7 +521,8 @@ def main(args) -> int:
     for r in main_rows:
         answers.setdefault(r["text"], r)
     walks = [f"- {text}: prompt lookup asked again after each missed guess, at most {k - 1} a check, would keep "
-             f"{r['walk_kept']} of the answers' {r['tokens']} tokens in {r['walk_checks']} checks (a stack's best)"
+             f"{r['walk_kept']} of the answers' {r['answer_tokens']} tokens in {r['walk_checks']} checks "
+             "(a stack's best)"
              for text, r in answers.items()]
     ceilings = [
         f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a "
@@ -554,7 +559,7 @@ def main(args) -> int:
         + ", prompts one after another, one drafter instance a set"
         + (" (and one adaptive controller, as a device keeps)" if args.adaptive else "")
         + f"; {args.repeats} runs of each, "
-        "interleaved, and the run of median device tok/s shown\n"
+        "interleaved, each row over all its runs (their tokens over their time)\n"
         + ("" if args.device_pace == 1.0 else
            f"- the device drafts {args.device_pace:g}x slower than this host: each drafter call (begin, propose, a "
            f"stacked drafter's step ahead, accept) is padded to {args.device_pace:g} times its time here by sleeping, "

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench.drafters import (copied_tokens, guess_walk, marker, median_run, stack_ceiling, stack_goals, trained_goals,
+from bench.drafters import (copied_tokens, guess_walk, marker, pooled_run, stack_ceiling, stack_goals, trained_goals,
                             trained_name)
 
 
@@ -47,11 +47,20 @@ def test_the_guess_walk_asks_prompt_lookup_again_after_each_miss():
     assert guess_walk(prompt, [], 3) == (0, 0) and guess_walk(prompt, [1, 2], 0) == (0, 0)
 
 
-def test_a_row_is_the_run_of_median_speed():
-    done = [{"tokens_per_s": 30.0, "checks": 1}, {"tokens_per_s": 10.0, "checks": 2}, {"tokens_per_s": 20.0, "checks": 3}]
-    row = median_run("stacked", "edit", done)
-    assert (row["tokens_per_s"], row["checks"], row["drafter"], row["text"]) == (20.0, 3, "stacked", "edit")
+def test_a_row_pools_its_runs():
+    """A row is every run together: tok/s is all their tokens over all their time (not a run's), the stacked
+    drafter's checks are summed, and the answers' length is one run's (greedy answers repeat)."""
+    def run(seconds, checks):
+        return {"tokens": 60, "drafted": 40, "accepted": 30, "rounds": 10, "elapsed_s": seconds,
+                "tokens_per_s": 60 / seconds, "checks": checks, "guessed": 2 * checks, "kept": checks, "copied": 0.5}
+    row = pooled_run("stacked", "edit", [run(2.0, 1), run(6.0, 2), run(3.0, 3)])
+    assert row["tokens_per_s"] == pytest.approx(180 / 11.0)  # the median run would read 20
     assert row["runs_tokens_per_s"] == [30.0, 10.0, 20.0]
+    assert (row["checks"], row["guessed"], row["kept"], row["answer_tokens"]) == (6, 12, 6, 60)
+    assert (row["acceptance_rate"], row["mean_acceptance_length"], row["draft_tokens_per_round"]) == (0.75, 4.0, 4.0)
+    assert (row["drafter"], row["text"], row["copied"]) == ("stacked", "edit", 0.5)
+    # a slow run weighs by its time: 60 tokens in 1 s and in 11 s pool to 10 tok/s (their mean would read 32.7)
+    assert pooled_run("d", "edit", [run(1.0, 0), run(11.0, 0)])["tokens_per_s"] == pytest.approx(10.0)
 
 
 def test_a_paced_drafter_pads_each_device_call_to_its_factor_and_drafts_the_same_tokens():
@@ -120,13 +129,17 @@ def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
     rows += [{"drafter": "d", "text": "free", "k": k, "tokens_per_s": v} for k, v in (("adaptive", 30.0), ("2", 20.0))]
     assert adaptive_goals(rows) == ("- d, adaptive K / the best fixed K, device tok/s: edit 0.98x (K = 4), free 1.50x "
                                     "(K = 2) (goal at least 0.98x for a drafter with a model)")
-    # with every pass kept: each pass's adaptive run over that pass's best fixed K (K = 4 in the first, 2 in the
-    # second), which a slow pass for every mode does not move
+    # with every pass kept: each pass's adaptive run over the run of that pass of the best fixed K over all passes
+    # (K = 4, though K = 2 was faster in the second pass), and the passes' standard error
     passes = {"adaptive": [49.0, 24.0], "2": [40.0, 25.0], "4": [50.0, 20.0]}
-    rows = [{"drafter": "d", "text": "edit", "k": k, "tokens_per_s": sorted(v)[0], "runs_tokens_per_s": v}
+    pooled = {"adaptive": 30.0, "2": 31.0, "4": 32.0}
+    rows = [{"drafter": "d", "text": "edit", "k": k, "tokens_per_s": pooled[k], "runs_tokens_per_s": v}
             for k, v in passes.items()]
-    assert adaptive_goals(rows).splitlines()[1] == (
-        "- d, pass by pass (each adaptive run over the best fixed K of its own pass): edit 0.98/0.96x (median 0.97x)")
+    assert adaptive_goals(rows).splitlines() == [
+        "- d, adaptive K / the best fixed K, device tok/s: edit 0.94x (K = 4) (goal at least 0.98x for a drafter "
+        "with a model)",
+        "- d, pass by pass (each adaptive run over that fixed K's run of its pass): edit 0.98/1.20x (standard error "
+        "0.11)"]
 
 
 def test_the_server_leaves_the_devices_drafting_thread_a_core_of_its_own():
