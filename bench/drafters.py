@@ -120,6 +120,10 @@ def run_modes(address, tokenizer, make_drafter, texts, max_tokens, modes) -> lis
             d.close()
 
 
+# what a run counts besides its tokens, summed when its rows pool (figures())
+COUNTS = ("drafted", "accepted", "loosely_accepted", "rounds", "elapsed_s")
+
+
 def set_row(drafter, rows, k: int) -> dict:
     """A device's figures over a set's generations, and what the answers copy."""
     copied = sum(copied_tokens(r.prompt_token_ids, r.token_ids) for r in rows)
@@ -129,8 +133,8 @@ def set_row(drafter, rows, k: int) -> dict:
         drafter, "checks") else {}  # a stacked drafter's lifetime counts: this set's, as it serves one set
     return checks | {"copied": copied / s["tokens"] if s["tokens"] else 0.0, "tokens": s["tokens"],
                      "walk_kept": sum(w[0] for w in walks), "walk_checks": sum(w[1] for w in walks),
-                     **{key: s[key] for key in ("drafted", "accepted", "rounds", "elapsed_s", "acceptance_rate",
-                                                "mean_acceptance_length", "draft_tokens_per_round", "tokens_per_s")}}
+                     **{key: s[key] for key in COUNTS + ("acceptance_rate", "mean_acceptance_length",
+                                                         "draft_tokens_per_round", "tokens_per_s")}}
 
 
 def copied_tokens(prompt: list[int], answer: list[int]) -> int:
@@ -170,9 +174,9 @@ def pooled_run(name: str, label: str, done: list[dict]) -> dict:
     """One row of a drafter and set: the device's figures over all its runs together (their counts summed, so device
     tok/s is every run's tokens over every run's time), with each run's tok/s. A run's speed moves by several percent
     on a shared host: pooled, its noise shrinks with the runs' number."""
-    counts = {key: sum(r[key] for r in done) for key in ("tokens", "drafted", "accepted", "rounds", "elapsed_s")}
+    counts = {key: sum(r[key] for r in done) for key in ("tokens", *COUNTS)}
     stacked = {key: sum(r[key] for r in done) for key in ("checks", "guessed", "kept") if key in done[0]}
-    return done[0] | stacked | figures(loosely_accepted=0, **counts) | {
+    return done[0] | stacked | figures(**counts) | {
         "drafter": name, "text": label, "runs_tokens_per_s": [r["tokens_per_s"] for r in done],
         "answer_tokens": done[0]["tokens"]}  # one run's: greedy answers are the same in every run
 

@@ -51,7 +51,7 @@ def test_a_row_pools_its_runs():
     """A row is every run together: tok/s is all their tokens over all their time (not a run's), the stacked
     drafter's checks are summed, and the answers' length is one run's (greedy answers repeat)."""
     def run(seconds, checks):
-        return {"tokens": 60, "drafted": 40, "accepted": 30, "rounds": 10, "elapsed_s": seconds,
+        return {"tokens": 60, "drafted": 40, "accepted": 30, "loosely_accepted": 0, "rounds": 10, "elapsed_s": seconds,
                 "tokens_per_s": 60 / seconds, "checks": checks, "guessed": 2 * checks, "kept": checks, "copied": 0.5}
     row = pooled_run("stacked", "edit", [run(2.0, 1), run(6.0, 2), run(3.0, 3)])
     assert row["tokens_per_s"] == pytest.approx(180 / 11.0)  # the median run would read 20
