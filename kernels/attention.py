@@ -65,23 +65,57 @@ def attention_reference(
     return out
 
 
+# A long segment's queries (a prompt's chunk) are attended in blocks of QUERY_BLOCK, each over the key positions it
+# can see: the kernel then reads no keys past the block's last query (half of a whole prompt's scores) and, in a
+# sliding window, none before the window of its first query (docs/kernels.md).
+QUERY_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Queries [start, start + length) of a segment, which see key positions [lo, hi) of its context at most."""
+
+    start: int
+    length: int
+    lo: int
+    hi: int
+    mask: torch.Tensor  # additive [groups * length, hi - lo]: 0 where the query sees the key, -inf elsewhere
+
+
+def _mask(queries: torch.Tensor, keys: torch.Tensor, groups: int, dtype, window: int | None) -> torch.Tensor:
+    """The additive mask of query positions over key positions, tiled once per query head of a KV group."""
+    seen = keys[None, :] <= queries[:, None]
+    if window is not None:
+        seen &= keys[None, :] > queries[:, None] - window
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf")).repeat(groups, 1)
+
+
 def causal_masks(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32,
-                 window: int | None = None) -> list[torch.Tensor | None]:
+                 window: int | None = None) -> list[torch.Tensor | tuple[QueryBlock, ...] | None]:
     """Per segment of several tokens, an additive mask [groups * length, context_len]: 0 where query i (at
     context_len - length + i) sees the key, -inf past it (and, with a sliding `window`, -inf at `window`
-    positions before it and earlier), tiled once per query head of a KV group; None for a one-token segment that
-    sees every key. Built once per forward and shared by every layer of that window."""
-    masks: list[torch.Tensor | None] = []
+    positions before it and earlier), tiled once per query head of a KV group; for a segment longer than
+    QUERY_BLOCK, its QueryBlocks instead; None for a one-token segment that sees every key. Built once per forward
+    and shared by every layer of that window."""
+    masks: list[torch.Tensor | tuple[QueryBlock, ...] | None] = []
     for seg in segments:
-        slides = window is not None and seg.context_len > window
-        if seg.length == 1 and not slides:
+        first = seg.context_len - seg.length  # the first query's position
+        if seg.length == 1 and (window is None or seg.context_len <= window):
             masks.append(None)
             continue
-        seen = torch.ones(seg.length, seg.context_len, dtype=torch.bool, device=device).tril(seg.context_len - seg.length)
-        if slides:
-            seen &= ~torch.ones_like(seen).tril(seg.context_len - seg.length - window)
-        masks.append(torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
-                     .repeat(groups, 1))
+        if seg.length <= QUERY_BLOCK:
+            masks.append(_mask(torch.arange(first, seg.context_len, device=device),
+                               torch.arange(seg.context_len, device=device), groups, dtype, window))
+            continue
+        blocks = []
+        for start in range(0, seg.length, QUERY_BLOCK):
+            length = min(QUERY_BLOCK, seg.length - start)
+            hi = first + start + length
+            lo = 0 if window is None else max(0, first + start - window + 1)
+            blocks.append(QueryBlock(start, length, lo, hi,
+                                     _mask(torch.arange(first + start, hi, device=device),
+                                           torch.arange(lo, hi, device=device), groups, dtype, window)))
+        masks.append(tuple(blocks))
     return masks
 
 
@@ -96,7 +130,7 @@ def attention_sdpa(
     v_cache: torch.Tensor,  # [num_kv_heads, pool_rows, head_dim]
     segments: list[Segment],
     scale: float,
-    masks: list[torch.Tensor | None] | None = None,  # from causal_masks(..., groups, q.dtype)
+    masks: list | None = None,  # from causal_masks(..., groups, q.dtype)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Fused scaled_dot_product_attention on each segment's keys (views of the pool where its blocks are
     consecutive, else gathered); on CPU, segments of up to
@@ -115,22 +149,38 @@ def attention_sdpa(
     out = torch.empty_like(q) if len(segments) > 1 else None
     for seg, mask in zip(segments, masks):
         n = seg.length
-        qs = q[seg.start : seg.start + n].transpose(0, 1).reshape(kv_heads, groups * n, dim)
         ks = k_cache[:, seg.keys]  # [kv_heads, ctx, d]
         vs = v_cache[:, seg.keys]
-        if n <= matmul_max:
-            scores = (torch.bmm(qs, ks.transpose(1, 2)).mul_(scale) if mask is None
-                      else torch.baddbmm(mask, qs, ks.transpose(1, 2), alpha=scale))
-            o = torch.bmm(scores.softmax(-1), vs)
+        if isinstance(mask, tuple):  # QueryBlocks
+            o = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)
+            for blk in mask:
+                rows = slice(seg.start + blk.start, seg.start + blk.start + blk.length)
+                o[blk.start : blk.start + blk.length] = _attend(q[rows], ks[:, blk.lo : blk.hi],
+                                                                vs[:, blk.lo : blk.hi], blk.mask, scale, matmul_max)
         else:
-            # 4-D ([1, kv_heads, groups * L, d]): with 3-D inputs torch's CPU dispatch skips its flash kernel.
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None],
-                                               attn_mask=None if mask is None else mask[None, None], scale=scale)[0]
-        o = o.reshape(heads, n, dim).transpose(0, 1)
+            o = _attend(q[seg.start : seg.start + n], ks, vs, mask, scale, matmul_max)
         if out is None:  # one segment: its output is the whole output
             return o
         out[seg.start : seg.start + n] = o
     return out
+
+
+def _attend(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            matmul_max: int) -> torch.Tensor:
+    """Queries [L, heads, d] over keys and values [kv_heads, ctx, d] with an additive mask [groups * L, ctx]."""
+    n, heads, dim = q.shape
+    kv_heads = ks.shape[0]
+    groups = heads // kv_heads
+    qs = q.transpose(0, 1).reshape(kv_heads, groups * n, dim)
+    if n <= matmul_max:
+        scores = (torch.bmm(qs, ks.transpose(1, 2)).mul_(scale) if mask is None
+                  else torch.baddbmm(mask, qs, ks.transpose(1, 2), alpha=scale))
+        o = torch.bmm(scores.softmax(-1), vs)
+    else:
+        # 4-D ([1, kv_heads, groups * L, d]): with 3-D inputs torch's CPU dispatch skips its flash kernel.
+        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None],
+                                           attn_mask=None if mask is None else mask[None, None], scale=scale)[0]
+    return o.reshape(heads, n, dim).transpose(0, 1)
 
 
 # On CUDA every kernel launch costs a few microseconds of host time, and the per-segment loop above launches
@@ -153,7 +203,7 @@ class BatchPlan:
     key_ok: torch.Tensor  # [B, 1, max_ctx, 1] bool, key position < context_len
     mask: torch.Tensor  # [B, 1, groups * max_len, max_ctx] additive: 0 where the query sees the key, -inf past it
     rest: list[Segment]  # the long segments, attended one at a time
-    rest_masks: list[torch.Tensor | None]
+    rest_masks: list  # causal_masks of the rest
 
 
 def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32,

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from kernels import attention
 from kernels.attention import (ATTENTION, BATCH_MAX_TOKENS, Segment, attention_batched, attention_plan, attention_reference,
                                attention_sdpa, batch_plan, causal_masks)
 from verify_server.errors import SledError
@@ -187,3 +188,45 @@ def test_sliding_window_attention_sees_only_the_last_window_positions(lengths):
                           atol=1e-5)
     assert torch.allclose(ATTENTION["reference"][1](q, k, v, segments, 0.35,
                                                     ATTENTION["reference"][0](segments, "cpu", 3, window=window)), want)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("block", [8, 16])
+def test_a_long_segment_attends_in_query_blocks_over_the_keys_each_can_see(monkeypatch, window, block):
+    """A prompt chunk longer than QUERY_BLOCK goes in blocks, each over key positions [lo, hi): up to its last query,
+    and from its first query's window on; the result is attention over the whole context, a poisoned pool past each
+    context read by none of them."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", block)
+    q, k, v, segments = ragged_batch([(0, 40, 45), (2, 1, 16), (1, 33, 40)], 5)
+    want = attention_reference(q, k, v, segments, 0.35, window)
+    for seg in segments:
+        k[:, past_context(seg)] = float("nan")
+        v[:, past_context(seg)] = float("nan")
+    masks = causal_masks(segments, q.device, 3, window=window)
+    for seg, mask in zip(segments, masks):
+        if seg.length <= block:
+            assert not isinstance(mask, tuple)
+            continue
+        first = seg.context_len - seg.length
+        assert [b.start for b in mask] == list(range(0, seg.length, block))
+        for b in mask:
+            assert b.hi == first + b.start + b.length  # no key past the block's last query
+            assert b.lo == (0 if window is None else max(0, first + b.start - window + 1))
+            assert b.mask.shape == (3 * b.length, b.hi - b.lo)
+    assert torch.allclose(attention_sdpa(q, k, v, segments, 0.35, masks), want, atol=1e-5)
+    plan = batch_plan(segments, q.device, 3, window=window)  # CUDA's padded path keeps long segments apart
+    assert torch.allclose(attention_batched(q, k, v, plan, 0.35), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 128])
+def test_a_whole_prompt_chunk_past_query_block_matches_the_reference(window):
+    """At the real QUERY_BLOCK: 600 new tokens after 100 cached ones, over shuffled blocks of 16."""
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 768, 8, generator=g), torch.randn(2, 768, 8, generator=g)
+    blocks = tuple(torch.randperm(48, generator=g).tolist()[:44])
+    seg = Segment(blocks, 0, 600, 700, 16)
+    q = torch.randn(600, 6, 8, generator=g)
+    masks = causal_masks([seg], "cpu", 3, window=window)
+    assert isinstance(masks[0], tuple) and len(masks[0]) == -(-600 // attention.QUERY_BLOCK)
+    want = attention_reference(q, k, v, [seg], 0.35, window)
+    assert torch.allclose(attention_sdpa(q, k, v, [seg], 0.35, masks), want, atol=1e-5)
