@@ -83,11 +83,13 @@ class QueryBlock:
 
 
 def _mask(queries: torch.Tensor, keys: torch.Tensor, groups: int, dtype, window: int | None) -> torch.Tensor:
-    """The additive mask of query positions over key positions, tiled once per query head of a KV group."""
-    seen = keys[None, :] <= queries[:, None]
+    """The additive mask of query positions [..., L] over key positions [S]: [..., groups * L, S], tiled once per
+    query head of a KV group."""
+    seen = keys <= queries[..., None]
     if window is not None:
-        seen &= keys[None, :] > queries[:, None] - window
-    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf")).repeat(groups, 1)
+        seen &= keys > queries[..., None] - window
+    mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+    return mask.repeat(*[1] * (mask.dim() - 2), groups, 1)
 
 
 def causal_masks(segments: list[Segment], device, groups: int = 1, dtype: torch.dtype = torch.float32,
@@ -227,11 +229,7 @@ def batch_plan(segments: list[Segment], device, groups: int = 1, dtype: torch.dt
     # Query row i of a segment sits at position context_len - length + i and sees keys [0, that position]; a
     # padding row sees the same as the segment's last row (its output is dropped; it only must not be NaN).
     qpos = (ctx_d - lens_d)[:, None] + torch.minimum(i_d[None, :], lens_d[:, None] - 1)  # [B, max_len]
-    seen = keys[None, None, :] <= qpos[:, :, None]  # [B, max_len, max_ctx]
-    if window is not None:
-        seen &= keys[None, None, :] > qpos[:, :, None] - window
-    mask = (torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
-            .repeat(1, groups, 1)[:, None])
+    mask = _mask(qpos, keys, groups, dtype, window)[:, None]  # [B, 1, groups * max_len, max_ctx]
     key_ok = (keys[None, :] < ctx_d[:, None])[:, None, :, None]
     key_rows = torch.zeros(len(short), max_ctx, dtype=torch.long)
     for b, s in enumerate(short):
