@@ -137,6 +137,58 @@ def set_row(drafter, rows, k: int) -> dict:
                                                          "draft_tokens_per_round", "tokens_per_s")}}
 
 
+CELL = ("- a cell is a text set's device tok/s · acceptance (accepted / drafted) · mean acceptance length "
+        "(1 + accepted / rounds, vLLM's) · drafted a round (an n-gram drafter proposes nothing where it finds no "
+        "match: below K)")
+
+
+def render_table(rows: list[dict], by_k: bool) -> str:
+    """The rows as a line a drafter (and K, where a run has several) and a cell a text set (CELL)."""
+    texts = texts_of(rows)
+    cells = {(r["drafter"], r["k"], r["text"]): r for r in rows}
+
+    def cell(r: dict | None) -> str:
+        return "—" if r is None else (f"{r['tokens_per_s']:.1f} · {r['acceptance_rate']:.2f} · "
+                                      f"{r['mean_acceptance_length']:.2f} · {r['draft_tokens_per_round']:.2f}")
+    lines = ["| drafter |" + (" K |" if by_k else "") + "".join(f" {text} |" for text in texts),
+             "|---|" + ("---|" if by_k else "") + "---:|" * len(texts)]
+    for name, k in dict.fromkeys((r["drafter"], r["k"]) for r in rows):
+        lines.append(f"| {name} |" + (f" {k} |" if by_k else "")
+                     + "".join(f" {cell(cells.get((name, k, text)))} |" for text in texts))
+    return "\n".join(lines)
+
+
+def answers_of(rows: list[dict]) -> dict[str, dict]:
+    """Each text set's first row: what its answers are (greedy answers are the same for every drafter)."""
+    first: dict[str, dict] = {}
+    for r in rows:
+        first.setdefault(r["text"], r)
+    return first
+
+
+def copied_line(rows: list[dict]) -> str:
+    return ("- copied, the share of the answers' tokens that prompt lookup's first guess predicts from the prompt and "
+            "the answer before them (the same for every drafter: greedy answers are the target's): "
+            + ", ".join(f"{text} {r['copied']:.2f}" for text, r in answers_of(rows).items()))
+
+
+def checked_lines(rows: list[dict]) -> list[str]:
+    """Each stacked drafter's guesses kept of those its model checked, and its checks, set by set."""
+    out = []
+    for name in dict.fromkeys(r["drafter"] for r in rows if "checks" in r):
+        sets = [f"{r['text']} {r['kept']} of {r['guessed']} ({r['checks']})"
+                for r in rows if r["drafter"] == name and "checks" in r]
+        out.append(f"- {name}, guesses kept of those checked (checks): {', '.join(sets)}")
+    return out
+
+
+def walk_line(rows: list[dict], k: int) -> str:
+    walks = [f"{text} {r['walk_kept']} of {r['answer_tokens']} in {r['walk_checks']} checks"
+             for text, r in answers_of(rows).items()]
+    return (f"- prompt lookup asked again after each missed guess, at most {k - 1} a check, would keep of the "
+            f"answers' tokens (a stack's best): {', '.join(walks)}")
+
+
 def copied_tokens(prompt: list[int], answer: list[int]) -> int:
     """Tokens of the answer that prompt lookup's first guess (n-grams of 3 down to 1) predicts from what came before:
     how much the answer repeats its prompt and itself."""
@@ -511,23 +563,6 @@ def main(args) -> int:
         return 1
     rows = [pooled_run(name, label, done) | {"k": mode} for (name, label, mode), done in runs.items()]
     main_rows = [r for r in rows if r["k"] == modes[0][0]]  # the adaptive K's, or the one fixed K's
-    lines = ["| drafter | text |" + (" K |" if args.adaptive else "")
-             + " copied | acceptance | mean accept. length | drafted / round | device tok/s |",
-             "|---|---|" + ("---|" if args.adaptive else "") + "---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['drafter']} | {r['text']} |" + (f" {r['k']} |" if args.adaptive else "")
-                     + f" {r['copied']:.2f} | {r['acceptance_rate']:.2f} "
-                     f"| {r['mean_acceptance_length']:.2f} | {r['draft_tokens_per_round']:.2f} "
-                     f"| {r['tokens_per_s']:.1f} |")
-    checked = [f"- {r['drafter']}, {r['text']}: {r['checks']} checks of {r['guessed']} guesses kept {r['kept']}"
-               for r in main_rows if "checks" in r]
-    answers = {}  # each set's answers, the same for every drafter (greedy): its first row's
-    for r in main_rows:
-        answers.setdefault(r["text"], r)
-    walks = [f"- {text}: prompt lookup asked again after each missed guess, at most {k - 1} a check, would keep "
-             f"{r['walk_kept']} of the answers' {r['answer_tokens']} tokens in {r['walk_checks']} checks "
-             "(a stack's best)"
-             for text, r in answers.items()]
     ceilings = [
         f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a "
         f"stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
@@ -543,10 +578,12 @@ def main(args) -> int:
     else:
         goals = trained_goals(main_rows, "under the adaptive K" if args.adaptive else None)
     goals = "\n".join(g for g in (adaptive_goals(rows) if args.adaptive else "", goals) if g)
-    table = "\n".join(lines) + "\n\n" + "\n".join([goals, *notes, *checked, *walks, *ceilings])
+    table = (render_table(rows, args.adaptive) + "\n\n"
+             + "\n".join([goals, *notes, *checked_lines(main_rows), walk_line(main_rows, k), *ceilings]))
     print("\n" + table)
     section = (
-        f"{marker(args.device_pace, args.adaptive, bool(args.trained))}\n\n`sled-bench drafters {shlex.join(sys.argv[2:])}` on {machine()}, "
+        f"{marker(args.device_pace, args.adaptive, bool(args.trained))}\n\n"
+        f"`sled-bench drafters {shlex.join(sys.argv[2:])}` on {machine()}, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.\n\n"
         f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
         f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
@@ -569,10 +606,6 @@ def main(args) -> int:
            f"stacked drafter's step ahead, accept) is padded to {args.device_pace:g} times its time here by sleeping, "
            "taking no CPU from the server, whose pace is this host's; a forward's cost in one-token steps is this "
            "host's\n")
-        + "- copied = the share of the answers' tokens that prompt lookup's first guess predicts from the prompt and "
-        "the answer before them (the same for every drafter: greedy answers are the target's)\n"
-        "- acceptance = accepted / drafted; mean acceptance length = 1 + accepted / rounds (vLLM); n-gram drafters "
-        "propose nothing when they find no match, so their drafted / round is below K\n\n"
-        + table + "\n")
+        + copied_line(main_rows) + "\n" + CELL + "\n\n" + table + "\n")
     publish(args.markdown, marker(args.device_pace, args.adaptive, bool(args.trained)), section, args.json, rows)
     return 0

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from bench.drafters import (copied_tokens, guess_walk, marker, pooled_run, stack_ceiling, stack_goals, trained_goals,
-                            trained_name)
+from bench.drafters import (checked_lines, copied_line, copied_tokens, guess_walk, marker, pooled_run, render_table,
+                            stack_ceiling, stack_goals, trained_goals, trained_name, walk_line)
 
 
 def test_stacked_rows_are_read_against_their_own_model_alone():
@@ -24,6 +24,38 @@ def test_stacked_rows_are_read_against_their_own_model_alone():
         "edit 1.40x, free 0.95x (goals: edit at least 1.3x, free at least 0.95x)",
         "- stacked: prompt lookup under onnx / onnx alone, device tok/s: edit 1.60x, free 0.90x (goals: edit at least "
         "1.3x, free at least 0.95x)"]
+
+
+def row(drafter, text, k="4", tok_s=10.0, **more):
+    return {"drafter": drafter, "text": text, "k": k, "tokens_per_s": tok_s, "acceptance_rate": 0.5,
+            "mean_acceptance_length": 2.0, "draft_tokens_per_round": 3.25, "copied": {"edit": 0.7}.get(text, 0.25),
+            "walk_kept": 10, "answer_tokens": 20, "walk_checks": 5} | more
+
+
+def test_the_table_is_a_line_a_drafter_and_a_cell_a_text_set():
+    rows = [row("a", "edit", tok_s=12.0), row("a", "free"), row("b", "edit", tok_s=7.5)]
+    assert render_table(rows, by_k=False).splitlines() == [
+        "| drafter | edit | free |", "|---|---:|---:|",
+        "| a | 12.0 · 0.50 · 2.00 · 3.25 | 10.0 · 0.50 · 2.00 · 3.25 |",
+        "| b | 7.5 · 0.50 · 2.00 · 3.25 | — |"]  # a set a drafter did not run is a dash, not another's figures
+
+
+def test_an_adaptive_run_has_a_line_a_drafter_and_k():
+    rows = [row("a", "edit", "adaptive", 11.0), row("a", "edit", "2", 9.0), row("a", "free", "adaptive", 8.0),
+            row("a", "free", "2", 8.5)]
+    assert render_table(rows, by_k=True).splitlines()[2:] == [
+        "| a | adaptive | 11.0 · 0.50 · 2.00 · 3.25 | 8.0 · 0.50 · 2.00 · 3.25 |",
+        "| a | 2 | 9.0 · 0.50 · 2.00 · 3.25 | 8.5 · 0.50 · 2.00 · 3.25 |"]
+
+
+def test_a_sets_answers_are_described_once_and_each_stack_s_checks_in_one_line():
+    rows = [row("a", "edit"), row("a", "free"), row("s", "edit", checks=3, guessed=9, kept=4),
+            row("s", "free", checks=2, guessed=5, kept=1, walk_kept=99)]
+    assert copied_line(rows).endswith(": edit 0.70, free 0.25")
+    assert walk_line(rows, 4) == ("- prompt lookup asked again after each missed guess, at most 3 a check, would keep "
+                                  "of the answers' tokens (a stack's best): edit 10 of 20 in 5 checks, free 10 of 20 "
+                                  "in 5 checks")  # each set's first row's: the answers are the same in every row
+    assert checked_lines(rows) == ["- s, guesses kept of those checked (checks): edit 4 of 9 (3), free 1 of 5 (2)"]
 
 
 def test_the_stacking_ceiling_is_one_forward_of_k_tokens_against_k_steps():
