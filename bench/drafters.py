@@ -6,8 +6,9 @@ device tokens/s. The server and the device's drafting thread each have cores of 
 One drafter instance serves a whole set, so Cacheback's tables warm up across the
 set's prompts, as on a device that keeps running. With --adaptive, every mode (the adaptive K and each fixed K) is
 a device of its own, and the modes take turns prompt by prompt, so the host's drift falls on all of them alike.
-Every drafter and set runs --repeats times, interleaved, and each row pools its runs. Writes its section
-of docs/benchmarks.md.
+Every drafter and set runs --repeats times, interleaved (each repeat's order starting one drafter further on, after
+one uncounted generation that warms the server), and each row pools its runs. Writes its section of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ def turns(prompts: int, modes: int) -> list[tuple[int, int]]:
     """(prompt, mode) in the order run_modes plays them: every mode through each prompt before the next prompt, the
     first mode moving on by one each prompt, so no mode always meets the host just after another."""
     return [(i, (i + j) % modes) for i in range(prompts) for j in range(modes)]
+
+
+def rotated(items: list, repeat: int) -> list:
+    """The drafters in a repeat's order: each repeat starts one further on, so no drafter always runs first after the
+    last repeat's slowest rows, and none always at the same minutes of a run."""
+    shift = repeat % len(items) if items else 0
+    return items[shift:] + items[:shift]
+
+
+def warm_up(address, tokenizer, make_drafter, prompt: str, max_tokens: int) -> None:
+    """One uncounted generation: a fresh server's first requests are slower (its first steps at each size, Python's
+    first calls), and would count against whichever drafter ran first."""
+    run_modes(address, tokenizer, make_drafter, [prompt], max_tokens, [("warm-up", 4, False)])
 
 
 def run_modes(address, tokenizer, make_drafter, texts, max_tokens, modes) -> list[dict]:
@@ -542,8 +556,11 @@ def main(args) -> int:
         with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024", "--threads", str(args.server_threads),
                            "--max-draft-tokens", str(max(16, *(m[1] for m in modes)))) as address:
             tokenizer = Tokenizer()
+            first_kind, first_opts = next(iter(compared.values()))
+            warm_up(address, tokenizer, lambda: create_drafter(first_kind, first_opts), sets[0][1][0], args.max_tokens)
             for repeat in range(args.repeats):  # every drafter once a repeat, so a slow spell of the host hits all
-                for (name, (kind, opts)), (label, prompts) in itertools.product(compared.items(), sets):
+                for (name, (kind, opts)), (label, prompts) in itertools.product(rotated(list(compared.items()), repeat),
+                                                                                sets):
                     print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text"
                           + (f", K {'/'.join(m[0] for m in modes)} prompt by prompt" if args.adaptive else "")
                           + " ...", end=" ", flush=True)
@@ -599,8 +616,8 @@ def main(args) -> int:
         + "; chat template; one device" + (" a mode" if args.adaptive else "")
         + ", prompts one after another, one drafter instance a set"
         + (" (and one adaptive controller, as a device keeps)" if args.adaptive else "")
-        + f"; {args.repeats} runs of each, "
-        "interleaved, each row over all its runs (their tokens over their time)\n"
+        + f"; one uncounted generation first; {args.repeats} runs of each, interleaved, each repeat's order starting "
+        "one drafter further on, each row over all its runs (their tokens over their time)\n"
         + ("" if args.device_pace == 1.0 else
            f"- the device drafts {args.device_pace:g}x slower than this host: each drafter call (begin, propose, a "
            f"stacked drafter's step ahead, accept) is padded to {args.device_pace:g} times its time here by sleeping, "

@@ -255,3 +255,14 @@ def test_the_modes_take_turns_prompt_by_prompt_each_a_device_of_its_own(tiny_ser
     assert [(device, prompts.index(context)) for device, context in played] == [(m, i) for i, m in turns(2, 3)]
     assert all(r["tokens"] == 16 for r in rows)  # each device generated both answers (8 tokens each)
     assert rows[1]["draft_tokens_per_round"] <= 2 and rows[2]["draft_tokens_per_round"] <= 4
+
+
+def test_each_repeat_starts_one_drafter_further_on_and_runs_every_drafter_once():
+    """No drafter always runs first (after a server's start, or after the last repeat's slowest rows)."""
+    from bench.drafters import rotated
+
+    names = ["llama", "onnx", "ngram"]
+    orders = [rotated(names, repeat) for repeat in range(4)]
+    assert orders == [names, ["onnx", "ngram", "llama"], ["ngram", "llama", "onnx"], names]
+    assert {order[0] for order in orders[:3]} == set(names)
+    assert rotated([], 2) == []
