@@ -21,7 +21,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -476,6 +476,18 @@ class AdaptiveDraftLength:
         is thrown away, and takes the machine from the server's step where the two share it)."""
         return self.k_max if self.model_played else self.k
 
+    @property
+    def first_k(self) -> int:
+        """A generation's first draft: drafted while the session opens, with no draft ahead before it and no verdict
+        to answer, so the model's way prices it as a round drafted whole before it goes out (the K played otherwise)."""
+        if not self.model_played or self.cost is None:
+            return self.k
+        return self.best_k(replace(self.cost, ahead=False, hidden=0.0, late=0.0))
+
+    def best_k(self, cost: RoundCost) -> int:
+        """The K whose round commits the most a second in `cost`, within the bounds."""
+        return max(range(self.k_min, self.k_max + 1), key=lambda k: cost.tokens(k) / cost.seconds(k))
+
     def played(self, k: int) -> int:
         """The K to draft: the model's `k`, or the fixed K played now, within the bounds."""
         return k if self.model_played else min(max(self.modes.mode, self.k_min), self.k_max)
@@ -575,7 +587,7 @@ class AdaptiveDraftLength:
                                      sum(beside) / len(beside) if beside else None,
                                      sum(alone) / len(alone) if alone else None)
         tokens, seconds = cost.tokens, cost.seconds
-        k = max(range(self.k_min, self.k_max + 1), key=lambda k: tokens(k) / seconds(k))
+        k = self.best_k(cost)
         # The stop rule's thresholds: what one more token adds to the round's time (its share of the step, and its
         # drafting where it is not drafted yet) over what one committed token costs at this K. A drafted token goes
         # out while P(it and all before it accepted) is at least its threshold; another is drafted while that

@@ -21,6 +21,7 @@ class DraftLength(Protocol):
     k: int  # this round's draft length
     k_max: int  # the longest draft
     ahead_k: int  # the longest next draft that drafting ahead prepares: it stops one past it (after the bonus guess)
+    first_k: int  # a generation's first draft, drafted while its session opens
 
     def cap(self, server_max: int) -> bool:
         """No draft longer than the server takes; whether that cuts the drafts and this controller had not heard it
@@ -55,6 +56,10 @@ class FixedDraftLength:
     @property
     def ahead_k(self) -> int:
         return self.k_max
+
+    @property
+    def first_k(self) -> int:
+        return self.k
 
     def cap(self, server_max: int) -> bool:
         cut = server_max < self.k

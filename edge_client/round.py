@@ -35,7 +35,15 @@ class RoundRules:
     def draft_length(self, room: int) -> int:
         """This round's K, never past the request's end (`room` tokens left): the verdict adds a token of its own,
         so a draft past room - 1 would be clipped by the server, its drafting wasted."""
-        return max(0, min(self.controller.k, room - 1))
+        return self.within(self.controller.k, room)
+
+    def first_length(self, room: int) -> int:
+        """A generation's first K (the controller's first_k), within room as draft_length."""
+        return self.within(self.controller.first_k, room)
+
+    @staticmethod
+    def within(k: int, room: int) -> int:
+        return max(0, min(k, room - 1))
 
     def ahead_limit(self, room: int) -> int:
         """How many tokens to draft ahead past a draft (the bonus guess first), `room` tokens left once the draft and
@@ -144,7 +152,7 @@ class Round:
         """A generation's first draft, made while the server prefills the prompt (`opening`): it waits as drafted
         ahead and the first round sends it at once. A failed open drops it."""
         opening = asyncio.ensure_future(opening)
-        k = self.rules.draft_length(self.room)
+        k = self.rules.first_length(self.room)
         if not k or self.carry is not None:
             await opening
             return
@@ -163,7 +171,9 @@ class Round:
         clock, r = self.hooks.clock, self.result
         t_round = clock()
         self._drafting, self._alone = [0.0, 0], [0.0, 0]
-        proposal, spare = await self._draft(self.rules.draft_length(self.room))
+        # a generation's first draft (drafted while its session opened, draft_while_opening) is first_k long
+        k = self.rules.draft_length(self.room) if r.rounds else self.rules.first_length(self.room)
+        proposal, spare = await self._draft(k)
         prompt = self._prompt  # whether it goes out at once when its verdict came (RoundSample.prompt)
         self.hooks.sending(prompt)
         t_sent, came = clock(), []

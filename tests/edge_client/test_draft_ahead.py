@@ -476,6 +476,32 @@ def test_a_carry_longer_than_the_next_draft_is_not_drafted_again():
     assert len(positions) == len(set(positions)) and drafter.proposed <= 40
 
 
+def test_a_generations_first_draft_is_the_controllers_first_k_and_goes_out_whole():
+    """The first draft, drafted while the session opens, is first_k long (the adaptive model's way prices it with
+    nothing drafted ahead to hide it): it goes out whole, not cut to the K the later rounds play, and none of it is
+    drafted again."""
+    table = cycle(1, 2, 3, 1)
+
+    class FirstSix(type(held_at_two())):
+        first_k = 6
+
+    async def main():
+        drafter = TableDrafter(table)
+        client = FakeClient(0, 0.004, max_tokens=30, target=table)
+        result = await generate(
+            client, drafter, TOKENIZER,
+            Request(PROMPT, max_tokens=30, policy=DraftPolicy(draft_tokens=2, adaptive=True, max_draft_tokens=8)),
+            controller=FirstSix(k_max=8, k_initial=2, ahead=True),
+        )
+        return drafter, client, result
+
+    drafter, client, result = asyncio.run(main())
+    assert result.token_ids == greedy_chain(table, 30)
+    assert client.drafts[0] == 6 and set(client.drafts[1:-1]) == {2}
+    positions = [pos for pos, _ in drafter.fed]
+    assert len(positions) == len(set(positions))
+
+
 def test_a_carried_spare_keeps_each_tokens_q():
     """Sampling, the same: the tokens kept past a draft go out later with the q they were drawn from at the context
     they are verified in. (A seeded text is not compared with a device that waits: with the adaptive controller a
