@@ -206,17 +206,16 @@ class DraftModes:
     knows what each round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens
     are counted so, not as the text it met let them be accepted. The text moves a trial's rate more than the mode
     does (an easy prompt, then a hard one), so each challenger is played between two trials of a reference (at first
-    the fixed K the model rates fastest after the warm-up, K_max where it rates none; then the mode being played) and
-    scored against their mean: both see the same stretch of text. Text is not smooth, though: one hard stretch (a new
-    prompt's opening, a passage the drafter misses) can sink one reference trial and lift every challenger beside
-    it. So the best challenger that scores above 1 + SWITCH_MARGIN is played beside the reference once more, and
-    takes over only where that second score is above it too; where it is not, the next such challenger is played
-    again, and where none is left the reference stays. A challenger that scores above 1 + MOVE_MARGIN, more than
-    one sunk trial moves a score, becomes the reference at once: the rest are played beside it, and a slow
-    reference is not played between every trial. The winner is played for a spell, after which its neighbours (the
-    model's way, K doubled and halved) are tried again. The spell doubles while the same mode wins. A fixed K is
-    halved further only while halving it scored above its reference. The warm-up trial is the model's way, played
-    before the trials anyway."""
+    the model's way, so that a tie keeps it; then the mode being played) and scored against their mean: both see the
+    same stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the
+    drafter misses) can sink one reference trial and lift every challenger beside it. So the best challenger that
+    scores above 1 + SWITCH_MARGIN is played beside the reference once more, and takes over only where that second
+    score is above it too; where it is not, the next such challenger is played again, and where none is left the
+    reference stays. A challenger that scores above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes
+    the reference at once: the rest are played beside it, and a slow reference is not played between every trial.
+    The winner is played for a spell, after which its neighbours (the model's way, K doubled and halved) are tried
+    again. The spell doubles while the same mode wins. A fixed K is halved further only while halving it scored
+    above its reference. The warm-up trial is the model's way, played before the trials anyway."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
@@ -280,12 +279,7 @@ class DraftModes:
             return
         if not self.started:  # the first measured round: the trials begin
             self.started = True
-            fixed = [k for k in self.fixed[:2] if self.worth(k)]
-            if fixed:
-                self.trials(fixed[0], [MODEL] + fixed[1:])
-                self.mode = MODEL  # the warm-up trial
-            else:
-                self.trials(MODEL, [])
+            self.trials(MODEL, [k for k in self.fixed[:2] if self.worth(k)])  # the warm-up trial is the model's way
             return
         self.tokens, self.seconds, self.rounds = self.tokens + committed, self.seconds + cycle_s, self.rounds + 1
         self.priced += expected
@@ -331,16 +325,15 @@ class DraftModes:
         self.last_best = self.best = self.mode = best
 
     def start_from_model(self) -> None:
-        """After the warm-up, the reference is the fixed K the model rates fastest (K_max where it rates none), and the
-        challengers the model's way and the fixed K beside it: the likeliest winner is the mode played between the
-        trials, not K_max, which on hard text is often the slowest."""
+        """After the warm-up, the challengers of the model's way are the fixed K the model rates fastest, first, and the
+        fixed K beside it (K_max and its half where it rates none): not K_max, which on hard text is often the
+        slowest."""
         rated = {k: r for k in self.fixed if self.worth(k) and (r := self.model_rate(k)) is not None}
         if not rated:
             return
         best = max(rated, key=rated.get)
-        if best != self.reference:
-            i = self.fixed.index(best)
-            self.trials(best, [MODEL] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != best and self.worth(k)])
+        i = self.fixed.index(best)
+        self.trials(MODEL, [best] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != best and self.worth(k)])
 
     def halve(self, mode: int) -> None:
         """After a fixed K's score: its half is tried next while halving scores above the reference."""
