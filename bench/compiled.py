@@ -8,9 +8,11 @@ NxT is N sessions verifying T tokens each over --context cached tokens, every se
 runners share one pool and take the same steps, interleaved round by round: `eager` (PyTorch, the server's default
 path), `fused` (the C step: Llama, Qwen2 and Qwen3) and `compiled` (verify_server/compiled.py, every bucket the sizes
 need compiled first; the compile time is reported). The logits of the three are checked against eager's first.
-Beside them, a floor (a roofline): the larger of the step's projections (every linear layer's multiply-adds, the
-logits' among them) at this CPU's measured float32 matrix-product peak and its bytes (the weights and the sessions'
-KV, each read once) at the measured copy bandwidth, as `sled-bench engine` sets its batch-1 floor.
+Beside them, the step's projections alone (every linear layer's, the LM head's at every row, over eager's weights):
+a step whose every other op took no time, so eager over it bounds what compiling the rest can gain. And a floor (a
+roofline): the larger of the step's projections (every linear layer's multiply-adds, the logits' among them) at this
+CPU's measured float32 matrix-product peak and its bytes (the weights and the sessions' KV, each read once) at the
+measured copy bandwidth, as `sled-bench engine` sets its batch-1 floor.
 Writes its section of docs/benchmarks.md and, with --json, the rows.
 """
 
@@ -102,6 +104,31 @@ def matmul_peak() -> float:
     return 2 * 2048 ** 3 / best
 
 
+class Projections:
+    """A step's projections alone, through the runner's own: each layer's (q, k, v), o, (gate, up) and down, and the
+    LM head at every logit row, over inputs of the step's rows (made once a size, outside the timing)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.inputs = {}
+
+    def rows(self, n: int, width: int):
+        import torch
+
+        if (n, width) not in self.inputs:
+            self.inputs[(n, width)] = torch.randn(n, width, generator=torch.Generator().manual_seed(width),
+                                                  dtype=self.runner.dtype)
+        return self.inputs[(n, width)]
+
+    def forward(self, inp) -> None:
+        r, n = self.runner, inp.token_ids.shape[0]
+        for layer, groups in zip(r.layers, r.proj):
+            a, m = layer.self_attn, layer.mlp
+            for project, first in zip(groups, (a.q_proj, a.o_proj, m.gate_proj, m.down_proj)):
+                project(self.rows(n, first.in_features))
+        r.head(self.rows(inp.logit_rows.shape[0], r.lm_head.shape[1]))
+
+
 def run_family(kind: str, args, peaks: list[float], bandwidths: list[float]) -> tuple[list[dict], dict]:
     import torch
 
@@ -144,10 +171,11 @@ def run_family(kind: str, args, peaks: list[float], bandwidths: list[float]) -> 
         want = runners["eager"].forward(inp)
         for name, runner in runners.items():
             worst = max(worst, (runner.forward(inp) - want).abs().max().item())
-    times = {(name, size): [] for name in runners for size in args.sizes}
+    timed = {**runners, "projections": Projections(runners["eager"])}
+    times = {(name, size): [] for name in timed for size in args.sizes}
     for _ in range(args.rounds):
         for size, inp in inputs.items():
-            for name, runner in runners.items():
+            for name, runner in timed.items():
                 runner.forward(inp)
                 for _ in range(args.steps):
                     t1 = time.perf_counter()
@@ -162,12 +190,13 @@ def run_family(kind: str, args, peaks: list[float], bandwidths: list[float]) -> 
     kv_token = 2 * layers * kv_heads * head_dim * kv.k.element_size()  # a token's K and V in every layer
     rows = []
     for size in args.sizes:
-        p50 = {name: statistics.median(times[(name, size)]) * 1000 for name in runners}
+        p50 = {name: statistics.median(times[(name, size)]) * 1000 for name in timed}
         rows.append({"family": kind, "sessions": size[0], "tokens": size[1], "context": args.context,
                      "flop": 2 * weights * size[0] * size[1],  # the projections' (every token is a logit row here)
                      "bytes": weight_bytes + kv_token * size[0] * (args.context + size[1]),
                      **{f"{name}_ms": ms for name, ms in p50.items()},
                      "compiled_over_eager": p50["eager"] / p50["compiled"],
+                     "eager_over_projections": p50["eager"] / p50["projections"],
                      "compiled_over_fused": p50["fused"] / p50["compiled"] if "fused" in p50 else None})
     for row in rows:
         row.update(compile_s=compile_s, max_logit_difference=worst)
@@ -192,13 +221,14 @@ def main(args) -> int:
                  floor_bound="compute" if compute_s >= memory_s else "memory")
         r["eager_over_floor"] = r["eager_ms"] / r["floor_ms"]
     lines = ["| family | sessions × tokens | eager ms | fused ms | compiled ms | eager / compiled | "
-             "fused / compiled | floor ms | eager / floor |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "fused / compiled | projections ms | eager / projections | floor ms | eager / floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fused = f"{r['fused_ms']:.1f}" if "fused_ms" in r else "—"
         over_fused = f"{r['compiled_over_fused']:.2f}x" if r["compiled_over_fused"] else "—"
         lines.append(f"| {r['family']} | {r['sessions']} × {r['tokens']} | {r['eager_ms']:.1f} | {fused} | "
                      f"{r['compiled_ms']:.1f} | {r['compiled_over_eager']:.2f}x | {over_fused} | "
+                     f"{r['projections_ms']:.1f} | {r['eager_over_projections']:.2f}x | "
                      f"{r['floor_ms']:.1f} ({r['floor_bound']}) | {r['eager_over_floor']:.2f}x |")
     compiles = ", ".join(f"{m['family']} {m['compile_s']:.0f} s" for m in meta)
     worst = max(m["max_logit_difference"] for m in meta)
@@ -211,7 +241,10 @@ def main(args) -> int:
         f"sessions verifying T tokens over {args.context} cached tokens. Step p50 in ms, the runners interleaved "
         f"over {args.rounds} rounds of {args.steps} steps. The compiled step's buckets compiled first ({compiles}); "
         f"the largest logit difference from eager was {worst:.1e}. The fused C step computes Llama's block and "
-        "Qwen3's (its q and k norms). The floor is a roofline, the larger of two times: the step's linear layers "
+        "Qwen3's (its q and k norms). Projections: the step's projections alone, through eager's packed weights "
+        "(every linear layer's, and the LM head's at every row: every token is a logit row here), timed beside the "
+        "runners; a step whose every other op took no time, so eager / projections is the most that compiling the "
+        "rest could gain. The floor is a roofline, the larger of two times: the step's linear layers "
         "(the logits' too: every token is a logit row) at this CPU's float32 matrix-product rate, "
         f"{peak / 1e9:.0f} GFLOP/s (each measure the best of three products of 2048 x 2048), and the weights and "
         f"the sessions' KV read once at its copy bandwidth, {bandwidth / 1e9:.1f} GB/s (bytes read and written, "

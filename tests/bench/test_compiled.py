@@ -2,8 +2,10 @@
 families are argparse errors."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from bench import compiled
 
@@ -18,6 +20,8 @@ def test_a_tiny_run_writes_its_section_with_every_runner(tmp_path):
     assert [(r["sessions"], r["tokens"]) for r in rows] == [(1, 1), (2, 3)]
     assert all(r["eager_ms"] > 0 and r["fused_ms"] > 0 and r["compiled_ms"] > 0 for r in rows)
     assert all(r["max_logit_difference"] < 1e-3 for r in rows)  # the three runners compute the same step
+    assert all(r["projections_ms"] > 0 and r["eager_over_projections"] == r["eager_ms"] / r["projections_ms"]
+               for r in rows)
     # the floor is a roofline of the step's work, which grows with its tokens (set against a runner's time it would
     # compare two timings, which a loaded machine can turn either way): the projections' multiply-adds with every
     # token, the bytes with the sessions' KV (the weights are read once either way)
@@ -30,6 +34,28 @@ def test_a_tiny_run_writes_its_section_with_every_runner(tmp_path):
         assert r["floor_bound"] == ("compute" if compute >= memory else "memory")
     text = md.read_text()
     assert compiled.MARKER in text and "| llama | 2 × 3 |" in text
+
+
+def test_projections_run_every_projection_of_the_step_at_its_rows():
+    """The projections alone: each layer's four groups over the step's rows at their own input widths, and the LM
+    head over the logit rows, through the runner's own callables."""
+    calls = []
+
+    def project(name):
+        return lambda x: calls.append((name, tuple(x.shape))) or (x,)
+
+    def linear(width):
+        return SimpleNamespace(in_features=width)
+
+    layer = SimpleNamespace(self_attn=SimpleNamespace(q_proj=linear(8), o_proj=linear(12)),
+                            mlp=SimpleNamespace(gate_proj=linear(8), down_proj=linear(20)))
+    runner = SimpleNamespace(layers=[layer, layer], dtype=torch.float32, lm_head=torch.zeros(50, 8),
+                             proj=[tuple(project(f"{i}.{g}") for g in ("qkv", "o", "gate_up", "down")) for i in (0, 1)],
+                             head=lambda x: calls.append(("head", tuple(x.shape))))
+    inp = SimpleNamespace(token_ids=torch.zeros(6, dtype=torch.long), logit_rows=torch.arange(4))
+    compiled.Projections(runner).forward(inp)
+    assert calls == [(f"{i}.{g}", (6, w)) for i in (0, 1) for g, w in (("qkv", 8), ("o", 12), ("gate_up", 8),
+                                                                       ("down", 20))] + [("head", (4, 8))]
 
 
 @pytest.mark.parametrize("flag,value", [("--sizes", "8"), ("--sizes", "0x5"), ("--families", "gpt2")])
