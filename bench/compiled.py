@@ -6,8 +6,8 @@ Each family is a random-weight model of one shape (--layers, --hidden; the famil
 biases, Qwen3's q/k norms, Gemma 3's norms and sliding layers, Mistral's window) on this CPU in float32. A size
 NxT is N sessions verifying T tokens each over --context cached tokens, every session in blocks of its own. The
 runners share one pool and take the same steps, interleaved round by round: `eager` (PyTorch, the server's default
-path), `fused` (the C step: Llama, Qwen2 and Qwen3) and `compiled` (verify_server/compiled.py, every bucket the sizes
-need compiled first; the compile time is reported). The logits of the three are checked against eager's first.
+path), `fused` (the C step) and `compiled` (verify_server/compiled.py, every bucket the sizes need compiled
+first; the compile time is reported). The logits of the three are checked against eager's first.
 Beside them, the step's projections alone (every linear layer's, the LM head's at every row, over eager's weights):
 a step whose every other op took no time, so eager over it bounds what compiling the rest can gain. And a floor (a
 roofline): the larger of the step's projections (every linear layer's multiply-adds, the logits' among them) at this
@@ -240,12 +240,12 @@ def main(args) -> int:
         f"Random-weight models of {args.layers} layers, hidden {args.hidden} (heads of 64), float32; each size is N "
         f"sessions verifying T tokens over {args.context} cached tokens. Step p50 in ms, the runners interleaved "
         f"over {args.rounds} rounds of {args.steps} steps. The compiled step's buckets compiled first ({compiles}); "
-        f"the largest logit difference from eager was {worst:.1e}. The fused C step computes Llama's block and "
-        "Qwen3's (its q and k norms). Projections: the step's projections alone, through eager's packed weights "
-        "(every linear layer's, and the LM head's at every row: every token is a logit row here), timed beside the "
-        "runners; a step whose every other op took no time, so eager / projections is the most that compiling the "
-        "rest could gain. The floor is a roofline, the larger of two times: the step's linear layers "
-        "(the logits' too: every token is a logit row) at this CPU's float32 matrix-product rate, "
+        f"the largest logit difference from eager was {worst:.1e}. Projections: the step's projections alone, "
+        "through eager's packed weights (every linear layer's, and the LM head's at every row: every token is a "
+        "logit row here), timed beside the runners; a step whose every other op took no time, so eager / "
+        "projections is the most that compiling the rest could gain. The floor is a roofline, the larger of two "
+        "times: the step's linear layers (the logits' too: every token is a logit row) at this CPU's float32 "
+        "matrix-product rate, "
         f"{peak / 1e9:.0f} GFLOP/s (each measure the best of three products of 2048 x 2048), and the weights and "
         f"the sessions' KV read once at its copy bandwidth, {bandwidth / 1e9:.1f} GB/s (bytes read and written, "
         f"1 GiB buffers; as `sled-bench engine`); each the best of {len(peaks)} measures taken between rounds.",

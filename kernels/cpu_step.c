@@ -238,14 +238,17 @@ struct sled_layer {
     const float *wd, *bd;              /* [hidden, inter] */
     float *k_cache, *v_cache;          /* [kv_heads, pool_rows, head_dim], this layer */
     const float *qn, *kn;              /* [head_dim] RMSNorm of each q and k head before RoPE (Qwen3), or NULL */
+    const float *pn1, *pn2;            /* [hidden] norms of the attention's and the MLP's outputs (Gemma), or NULL */
+    const float *cos, *sin_signed;     /* [max_seq, head_dim] this layer's RoPE tables */
+    int64_t window;                    /* sliding window: each query sees its last `window` positions (0: all) */
 };
 
 struct sled_model {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, max_seq;
     int64_t block_size, head_stride;   /* positions a block; the pool's stride in floats per kv head */
+    int64_t gelu;                      /* the MLP's activation: 0 SiLU, 1 GELU's tanh approximation (Gemma) */
     float eps, scale;
     const float *norm, *lm_head, *lm_bias; /* final norm [hidden], logits projection [vocab, hidden] packed */
-    const float *cos, *sin_signed;     /* [max_seq, head_dim] */
     const struct sled_layer *layers;
 };
 
@@ -535,40 +538,48 @@ static inline __attribute__((always_inline)) void score_run(const float *q, cons
     }
 }
 
-/* o = softmax(q K^T * scale) V over the first ctx positions of a session, whose keys and values sit in blocks of bs
- * rows: block b of it at rows tab[b] * bs of K and V (one head's rows of the pool); scores: ctx floats of scratch. */
+/* o = softmax(q K^T * scale) V over positions lo .. ctx - 1 of a session, whose keys and values sit in blocks of bs
+ * rows: block b of it at rows tab[b] * bs of K and V (one head's rows of the pool); scores: ctx floats of scratch,
+ * read from lo. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *K, const float *V,
-                                                          const int64_t *tab, int64_t bs, int64_t ctx, int64_t hd,
-                                                          float scale, float *scores, float *o) {
-    for (int64_t b = 0, j0 = 0; j0 < ctx; ++b, j0 += bs)
-        score_run(q, K + tab[b] * bs * hd, ctx - j0 < bs ? ctx - j0 : bs, hd, scale, scores + j0);
+                                                          const int64_t *tab, int64_t bs, int64_t lo, int64_t ctx,
+                                                          int64_t hd, float scale, float *scores, float *o) {
+    for (int64_t b = lo / bs, j0 = b * bs; j0 < ctx; ++b, j0 += bs) {
+        int64_t a = j0 < lo ? lo - j0 : 0, n = ctx - j0 < bs ? ctx - j0 : bs;
+        score_run(q, K + (tab[b] * bs + a) * hd, n - a, hd, scale, scores + j0 + a);
+    }
+    tab += lo / bs;  /* from here on, the blocks from lo's, the scores from lo, ctx counted from the first block */
+    scores += lo / bs * bs;
+    int64_t skip = lo % bs;
+    ctx -= lo / bs * bs;
     int64_t j;
     /* the largest score, then e^(s - max) and their sum, a vector at a time */
-    float mx = -INFINITY;
+    float mx = -INFINITY, *s = scores + skip;
+    int64_t len = ctx - skip;
     j = 0;
-    if (ctx >= VL) {
-        vf m = vload(scores);
-        for (j = VL; j + VL <= ctx; j += VL) m = vmax(m, vload(scores + j));
+    if (len >= VL) {
+        vf m = vload(s);
+        for (j = VL; j + VL <= len; j += VL) m = vmax(m, vload(s + j));
         for (int l = 0; l < VL; ++l) mx = m[l] > mx ? m[l] : mx;
     }
-    for (; j < ctx; ++j) mx = scores[j] > mx ? scores[j] : mx;
-    for (j = 0; j < ctx; ++j) scores[j] -= mx;
-    exp_inplace(scores, ctx);
+    for (; j < len; ++j) mx = s[j] > mx ? s[j] : mx;
+    for (j = 0; j < len; ++j) s[j] -= mx;
+    exp_inplace(s, len);
     float sum = 0.f;
     j = 0;
-    if (ctx >= VL) {
-        vf acc = vload(scores);
-        for (j = VL; j + VL <= ctx; j += VL) acc += vload(scores + j);
+    if (len >= VL) {
+        vf acc = vload(s);
+        for (j = VL; j + VL <= len; j += VL) acc += vload(s + j);
         sum = hsum(acc);
     }
-    for (; j < ctx; ++j) sum += scores[j];
+    for (; j < len; ++j) sum += s[j];
     float inv = 1.0f / sum;
     if (hd % VL == 0 && hd <= 128) {  /* the output row in registers: 8 vectors of 16 or 16 of 8 at 128 */
         vf acc[128 / VL];
         for (int c = 0; c < 128 / VL; ++c) acc[c] = (vf){0};
         for (int64_t b = 0, j0 = 0; j0 < ctx; ++b, j0 += bs) {
             const float *Vb = V + tab[b] * bs * hd;
-            for (int64_t j = 0, n = ctx - j0 < bs ? ctx - j0 : bs; j < n; ++j) {
+            for (int64_t j = j0 ? 0 : skip, n = ctx - j0 < bs ? ctx - j0 : bs; j < n; ++j) {
                 float p = scores[j0 + j] * inv;
                 for (int64_t c = 0; c < hd / VL; ++c) acc[c] += p * vload(Vb + j * hd + c * VL);
             }
@@ -578,11 +589,27 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
         for (int64_t b = 0, j0 = 0; j0 < ctx; ++b, j0 += bs) {
             const float *Vb = V + tab[b] * bs * hd;
-            for (int64_t j = 0, n = ctx - j0 < bs ? ctx - j0 : bs; j < n; ++j) {
+            for (int64_t j = j0 ? 0 : skip, n = ctx - j0 < bs ? ctx - j0 : bs; j < n; ++j) {
                 float p = scores[j0 + j] * inv;
                 for (int64_t d = 0; d < hd; ++d) o[d] += p * Vb[j * hd + d];
             }
         }
+    }
+}
+
+/* h += x W^T + b, or with a norm of the output (Gemma's post-attention and post-MLP norms) h += norm(x W^T + b),
+ * the product then made in post [M, H] first. */
+static void residual(const float *x, int64_t K, int64_t M, const float *w, const float *b, const float *norm,
+                     float *post, float *h, int64_t H, float eps) {
+    if (!norm) {
+        gemv(x, K, M, w, b, h, H, H, K, 1);
+        return;
+    }
+    gemv(x, K, M, w, b, post, H, H, K, 0);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        norm_row(post + m * H, norm, post + m * H, H, eps);
+        for (int64_t i = 0; i < H; ++i) h[m * H + i] += post[m * H + i];
     }
 }
 
@@ -601,12 +628,13 @@ int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t
     }
     for (int64_t m = 0; m < num_logit_rows; ++m)
         if (logit_rows[m] < 0 || logit_rows[m] >= M) return -1;
-    /* scratch: xn [M, max(H, I)], qkv [M, nqkv], attn [M, nq], gu [M, 2I], scores [nthreads, max_seq] */
+    /* scratch: xn [M, max(H, I)], qkv [M, nqkv], attn [M, nq], gu [M, 2I], post [M, H], scores [nthreads, max_seq] */
     float *xn = scratch;
     float *qkv = xn + M * (H > I ? H : I);
     float *attn = qkv + M * nqkv;
     float *gu = attn + M * nq;
-    float *scores_all = gu + M * 2 * I;
+    float *post = gu + M * 2 * I;
+    float *scores_all = post + M * H;
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -622,7 +650,7 @@ int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < M * (nh + nkv); ++t) {
                 int64_t m = t / (nh + nkv), head = t % (nh + nkv);
-                const float *c = md->cos + pos[m] * hd, *s = md->sin_signed + pos[m] * hd;
+                const float *c = L->cos + pos[m] * hd, *s = L->sin_signed + pos[m] * hd;
                 float *v = qkv + m * nqkv + head * hd;  /* q heads, then k heads */
                 const float *head_weight = head < nh ? L->qn : L->kn;
                 if (head_weight) norm_row(v, head_weight, v, hd, md->eps);
@@ -642,28 +670,35 @@ int sled_forward(const struct sled_model *md, int64_t M, float *h, const int64_t
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < M * nh; ++t) {
                 int64_t m = t / nh, head = t % nh, kh = head / groups, ctx = pos[m] + 1;
+                int64_t lo = L->window > 0 && ctx > L->window ? ctx - L->window : 0;
                 const float *q = qkv + m * nqkv + head * hd;
                 const float *K = L->k_cache + kh * md->head_stride, *V = L->v_cache + kh * md->head_stride;
                 const int64_t *tab = tables + m * width;
                 float *o = attn + m * nq + head * hd;
                 switch (hd) {  /* the common head sizes with their vector count known, so it stays in registers */
-                case 64: attend(q, K, V, tab, bs, ctx, 64, md->scale, scores, o); break;
-                case 128: attend(q, K, V, tab, bs, ctx, 128, md->scale, scores, o); break;
-                default: attend(q, K, V, tab, bs, ctx, hd, md->scale, scores, o); break;
+                case 64: attend(q, K, V, tab, bs, lo, ctx, 64, md->scale, scores, o); break;
+                case 128: attend(q, K, V, tab, bs, lo, ctx, 128, md->scale, scores, o); break;
+                default: attend(q, K, V, tab, bs, lo, ctx, hd, md->scale, scores, o); break;
                 }
             }
-            gemv(attn, nq, M, L->wo, L->bo, h, H, H, nq, 1);
+            residual(attn, nq, M, L->wo, L->bo, L->pn1, post, h, H, md->eps);
             rms_norm(h, M, NULL, L->ln2, xn, H, md->eps);
             gemv(xn, H, M, L->wgu, L->bgu, gu, 2 * I, 2 * I, H, 0);
+            /* act(gate) * up, act(g) = g * sigmoid(a g'): SiLU, or GELU's tanh approximation, where
+             * 0.5 (1 + tanh(y)) = sigmoid(2 y) with y = sqrt(2 / pi) (g + 0.044715 g^3) */
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; ++m) {  /* silu(gate) * up */
+            for (int64_t m = 0; m < M; ++m) {
                 const float *g = gu + m * 2 * I, *u = g + I;
                 float *out = xn + m * I;
-                for (int64_t i = 0; i < I; ++i) out[i] = -g[i];
+                if (md->gelu)
+                    for (int64_t i = 0; i < I; ++i)
+                        out[i] = -1.5957691216057308f * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
+                else
+                    for (int64_t i = 0; i < I; ++i) out[i] = -g[i];
                 exp_inplace(out, I);
                 for (int64_t i = 0; i < I; ++i) out[i] = g[i] / (1.0f + out[i]) * u[i];
             }
-            gemv(xn, I, M, L->wd, L->bd, h, H, H, I, 1);
+            residual(xn, I, M, L->wd, L->bd, L->pn2, post, h, H, md->eps);
         }
         rms_norm(h, num_logit_rows, logit_rows, md->norm, xn, H, md->eps);
         gemv(xn, H, num_logit_rows, md->lm_head, md->lm_bias, logits, md->vocab, md->vocab, H, 0);

@@ -158,26 +158,29 @@ def pack_panels(w: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd", "k_cache", "v_cache", "qn",
-                 "kn")]
+    _fields_ = ([(name, ctypes.c_void_p) for name in
+                 ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd", "k_cache", "v_cache", "qn",
+                  "kn", "pn1", "pn2", "cos", "sin_signed")]
+                + [("window", ctypes.c_int64)])
 
 
 class _Model(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in
                  ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter", "vocab", "max_seq",
-                  "block_size", "head_stride")]
+                  "block_size", "head_stride", "gelu")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("norm", "lm_head", "lm_bias", "cos", "sin_signed")]
+                + [(name, ctypes.c_void_p) for name in ("norm", "lm_head", "lm_bias")]
                 + [("layers", ctypes.POINTER(_Layer))])
 
 
 @dataclass(frozen=True)
 class StepModel:
     """What the fused step reads of a model: per layer its norms, projections and biases (ln1, ln2, q, k, v, o,
-    gate, up, down; bq, bk, bv, bo, bgate, bup, bdown; qn and kn, the q and k heads' norms; None where absent), the
-    final norm and logits projection, the KV pool ([layers, kv_heads, pool_rows, head_dim], blocks of block_size
-    rows), the RoPE tables (their rows bound positions), and the attention's shape."""
+    gate, up, down; bq, bk, bv, bo, bgate, bup, bdown; qn and kn, the q and k heads' norms; pn1 and pn2, the norms
+    of the attention's and the MLP's outputs (Gemma's); None where absent), and optionally its own RoPE tables (cos,
+    sin_signed) and sliding window (window); the final norm and logits projection, the KV pool ([layers, kv_heads,
+    pool_rows, head_dim], blocks of block_size rows), the RoPE tables of the layers without their own (their rows
+    bound positions), the attention's shape and the MLP's activation (silu, or gelu_tanh)."""
 
     layers: Sequence[dict[str, torch.Tensor | None]]
     norm: torch.Tensor
@@ -193,11 +196,13 @@ class StepModel:
     eps: float
     scale: float
     block_size: int
+    activation: str = "silu"
 
 
 class CpuStep:
-    """A Llama-family target's forward (Qwen3's q and k norms too) in one call per batch of tokens, over the
-    runner's weights and KV pool.
+    """A target's forward in one call per batch of tokens, over the runner's weights and KV pool: Llama's block, with
+    Qwen3's q and k norms, Gemma 3's norms around attention and the MLP and its tanh GELU, sliding windows (Mistral,
+    Gemma 3) and a RoPE table a layer where the model has several.
 
     Holds its own copies of the projection matrices (q/k/v and gate/up stacked, one matrix each; o, down and
     the logits projection), packed in the panels the C side's matrix products read; the norms, the cache and
@@ -214,6 +219,8 @@ class CpuStep:
             raise CpuStepUnavailable("the KV pool must be contiguous")
         if num_heads % num_kv_heads or head_dim % 2:
             raise CpuStepUnavailable("heads must group evenly over KV heads and head_dim must be even")
+        if m.activation not in ("silu", "gelu_tanh"):
+            raise CpuStepUnavailable(f"the fused CPU step computes SiLU and GELU (tanh) MLPs, not {m.activation}")
         self.lib = load_library()
         self.build = Path(self.lib._name).stem  # the build's name: its source, compiler, flags and CPU, hashed
         num_layers, _, pool_rows, _ = k_cache.shape
@@ -248,13 +255,18 @@ class CpuStep:
         for i, lw in enumerate(layers):
             wqkv, bqkv = stack([lw["q"], lw["k"], lw["v"]], [lw["bq"], lw["bk"], lw["bv"]])
             wgu, bgu = stack([lw["gate"], lw["up"]], [lw["bgate"], lw["bup"]])
+            rope = (lw.get("cos"), lw.get("sin_signed")) if lw.get("cos") is not None else (cos, sin_signed)
+            if rope[0].shape[0] != max_seq:
+                raise CpuStepUnavailable("every layer's RoPE tables must cover the same positions")
             self.layers[i] = _Layer(own(lw["ln1"]), own(lw["ln2"]), wqkv, bqkv, packed(lw["o"]), own(lw["bo"]),
                                     wgu, bgu, packed(lw["down"]), own(lw["bdown"]),
-                                    k_cache[i].data_ptr(), v_cache[i].data_ptr(), own(lw.get("qn")), own(lw.get("kn")))
+                                    k_cache[i].data_ptr(), v_cache[i].data_ptr(), own(lw.get("qn")), own(lw.get("kn")),
+                                    own(lw.get("pn1")), own(lw.get("pn2")), own(rope[0]), own(rope[1]),
+                                    lw.get("window") or 0)
         self.k_cache, self.v_cache = k_cache, v_cache
         self.model = _Model(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, lm_head.shape[0], max_seq,
-                            m.block_size, pool_rows * head_dim, eps, scale,
-                            own(norm), packed(lm_head), own(lm_bias), own(cos), own(sin_signed), self.layers)
+                            m.block_size, pool_rows * head_dim, int(m.activation == "gelu_tanh"), eps, scale,
+                            own(norm), packed(lm_head), own(lm_bias), self.layers)
         self.num_blocks = pool_rows // m.block_size
         self.vocab = lm_head.shape[0]
         self.hidden, self.inter, self.max_seq = hidden, inter, max_seq
@@ -276,7 +288,7 @@ class CpuStep:
         if positions.shape != (m,) or tables.dim() != 2 or tables.shape[0] != m:
             raise ValueError("positions and block tables must have one entry per token")
         threads = torch.get_num_threads()
-        need = m * (max(self.hidden, self.inter) + self.qkv_width + self.q_width + 2 * self.inter) \
+        need = m * (max(self.hidden, self.inter) + self.qkv_width + self.q_width + 2 * self.inter + self.hidden) \
             + threads * self.max_seq
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)

@@ -392,21 +392,24 @@ class ModelRunner:
             def bias(mod):
                 return getattr(mod, "bias", None)
             layers = []
-            for layer in self.layers:
+            for layer, spec in zip(self.layers, self.specs):  # the specs' norms: Gemma's already 1 + w
                 a, m = layer.self_attn, layer.mlp
-                layers.append({"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+                layers.append({"ln1": spec.pre_attention, "ln2": spec.pre_mlp, "qn": spec.q_norm, "kn": spec.k_norm,
+                               "pn1": spec.post_attention, "pn2": spec.post_mlp,
                                "q": a.q_proj.weight, "k": a.k_proj.weight, "v": a.v_proj.weight,
                                "bq": bias(a.q_proj), "bk": bias(a.k_proj), "bv": bias(a.v_proj),
                                "o": a.o_proj.weight, "bo": bias(a.o_proj), "gate": m.gate_proj.weight,
                                "up": m.up_proj.weight, "bgate": bias(m.gate_proj), "bup": bias(m.up_proj),
                                "down": m.down_proj.weight, "bdown": bias(m.down_proj),
-                               "qn": a.q_norm.weight if self.family.qk_norm else None,
-                               "kn": a.k_norm.weight if self.family.qk_norm else None})
+                               "cos": self.cos[spec.rope], "sin_signed": self.sin_signed[spec.rope],
+                               "window": spec.window})
+            first = self.specs[0].rope
             return CpuStep(StepModel(layers=layers, norm=self.norm, lm_head=self.lm_head,
                                      lm_bias=bias(self.model.lm_head), k_cache=self.kv.k, v_cache=self.kv.v,
-                                     cos=self.cos["all"], sin_signed=self.sin_signed["all"], num_heads=self.num_heads,
+                                     cos=self.cos[first], sin_signed=self.sin_signed[first], num_heads=self.num_heads,
                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, eps=self.eps,
-                                     scale=self.scale, block_size=self.kv.block_size))
+                                     scale=self.scale, block_size=self.kv.block_size,
+                                     activation="gelu_tanh" if self.family.gemma else "silu"))
         except CpuStepUnavailable as err:
             if mode == "on":
                 raise ValueError(f"fused: on, but the fused CPU step is unavailable: {err}") from err
@@ -414,14 +417,9 @@ class ModelRunner:
             return None
 
     def _unfused_reason(self) -> str | None:
-        """Why the fused CPU step (Llama's block, Qwen3's q/k norms too; global attention, one RoPE) cannot compute
-        this target."""
+        """Why the fused CPU step (every family's block, kernels.cpu_step) cannot compute this target."""
         if self.shard is not None and self.shard.world > 1:
             return "tensor parallel"
-        if self.family.gemma:
-            return "Gemma's norms, activation and embedding scale"
-        if any(spec.window is not None for spec in self.specs):
-            return "sliding-window layers"
         return None
 
     @property
@@ -439,7 +437,7 @@ class ModelRunner:
         h = self.embed_tokens(tokens)
         if fused:
             _check_segments(inp)
-            return self.fused(h, positions, inp.tables, inp.logit_rows)
+            return self.capped(self.fused(h, positions, inp.tables, inp.logit_rows))
         rows = inp.rows.to(self.device)
         if self.device.type == "cuda":
             with sdpa_kernel(self.sdpa_backends):
@@ -499,7 +497,10 @@ class ModelRunner:
 
     def head(self, normed: torch.Tensor, project=None) -> torch.Tensor:
         """The float32 logits of final-normed hidden states."""
-        logits = (project or self.project_logits)(normed)[0].float()
+        return self.capped((project or self.project_logits)(normed)[0].float())
+
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits under the family's final soft cap (Gemma's, where its config sets one)."""
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -4,7 +4,6 @@ random-weight model built from a config in the devices' vocabulary, saved as a H
 from it as a user would; SLED's greedy tokens must equal transformers' generate() on it, with drafts verified."""
 
 import asyncio
-import logging
 
 import pytest
 import torch
@@ -161,28 +160,27 @@ def test_greedy_through_a_server_and_a_device_equals_transformers_generate(famil
         server.stop()
 
 
-def test_the_fused_cpu_step_computes_qwen3_and_steps_aside_for_the_others_with_its_reason(family, caplog):
+def test_the_fused_cpu_step_computes_every_family_as_transformers(family):
+    """Qwen3's q and k norms; Gemma 3's norms around attention and the MLP, its tanh GELU, two RoPE tables and
+    sliding layers; Mistral's window: the prompt is longer than the window, and its blocks of 4 put the window's
+    first position inside a block."""
     from verify_server.kv_cache import KVCache, KVLayout
     from verify_server.model_runner import ModelInput, ModelRunner
 
     kind, _, target = family
     cfg = target.model.config
-    kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 2, 16, 32)
-    if kind == "qwen3":  # Llama's block with an RMSNorm over each q and k head before RoPE: the fused step's own
-        runner = ModelRunner(target.model, kv, fused="on", fused_max_tokens=64)
-        blocks = tuple(kv.blocks.allocate(2))
-        got = runner.forward(ModelInput.build(PROMPT, [Segment(blocks, 0, len(PROMPT), len(PROMPT), 16)],
-                                              list(range(len(PROMPT)))))
-        with torch.inference_mode():
-            want = target.model(torch.tensor([PROMPT])).logits[0]
-        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max().item()
-        return
-    reason = {"gemma3_text": "Gemma's norms", "mistral": "sliding-window layers"}[kind]
-    with caplog.at_level(logging.INFO, logger="verify_server.model_runner"):
-        assert ModelRunner(target.model, kv, fused="auto").fused is None
-    assert reason in caplog.text
-    with pytest.raises(ValueError, match=reason):
-        ModelRunner(target.model, kv, fused="on")
+    kv = KVCache(KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 16, 4, 64)
+    runner = ModelRunner(target.model, kv, fused="on", fused_max_tokens=64)
+    assert ModelRunner(target.model, kv, fused="auto").fused is not None
+    blocks = tuple(kv.blocks.allocate(16))
+    n = len(PROMPT)
+    with torch.inference_mode():
+        want = target.model(torch.tensor([PROMPT])).logits[0]
+    # the prompt in one step, then its last 7 tokens again as a verify step over the 23 cached
+    got = runner.forward(ModelInput.build(PROMPT, [Segment(blocks, 0, n, n, 4)], list(range(n))))
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max().item()
+    again = runner.forward(ModelInput.build(PROMPT[-7:], [Segment(blocks, 0, 7, n, 4)], list(range(7))))
+    assert torch.allclose(again, want[-7:], atol=1e-4), (again - want[-7:]).abs().max().item()
 
 
 def test_an_unsupported_architecture_is_refused_with_its_name_and_the_supported_ones(tmp_path):

@@ -1,7 +1,7 @@
 """The fused CPU step (kernels/cpu_step.c) against PyTorch's reference path of the same runner, on small random
 models whose shapes reach every branch: head sizes with and without a specialized loop, widths that leave tails in
-the matrix products, biases (Qwen2), q and k norms (Qwen3), grouped heads, ragged batches over several slots, and a
-poisoned cache."""
+the matrix products, biases (Qwen2), q and k norms (Qwen3), Gemma 3's block, sliding windows, grouped heads, ragged
+batches over several slots, and a poisoned cache."""
 
 import ctypes
 import dataclasses
@@ -26,10 +26,12 @@ def _model(kind: str, hidden: int, heads: int, kv_heads: int, inter: int, vocab:
 
     cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                          "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+                          "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
     cfg = cfg_cls(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   intermediate_size=inter, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64,
-                  tie_word_embeddings=False, head_dim=hidden // heads)
+                  tie_word_embeddings=False, head_dim=hidden // heads, **EXTRA.get(kind, {}))
     torch.manual_seed(0)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # larger than the init's 0.02 so that every term moves the logits
@@ -37,6 +39,15 @@ def _model(kind: str, hidden: int, heads: int, kv_heads: int, inter: int, vocab:
             p.normal_(0, 0.2)
     return model
 
+
+# Windows shorter than the longest sessions below (36 positions), starting inside a block of 4 and at its first row.
+EXTRA = {
+    # a sliding layer and a global one, each with its RoPE table; attention scaled by its own scalar
+    "gemma3_text": dict(query_pre_attn_scalar=24, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
+    "mistral": dict(sliding_window=8),
+}
 
 BLOCK = 4  # tokens a block of the test pools
 
@@ -83,6 +94,8 @@ SHAPES = {
     "head10-tails": ("llama", 40, 4, 2, 72, 101),      # head_dim 10: generic loops; no width a multiple of 16
     "qwen2-bias-head16": ("qwen2", 64, 4, 2, 80, 130),  # q/k/v biases
     "qwen3-qk-norm-head16": ("qwen3", 64, 4, 2, 80, 130),  # an RMSNorm over each q and k head before RoPE
+    "gemma3-head16": ("gemma3_text", 64, 4, 2, 80, 130),  # Gemma's norms, tanh GELU, two RoPEs, a sliding layer
+    "mistral-window-head16": ("mistral", 64, 4, 2, 80, 130),  # every layer sliding
     "head128": ("llama", 256, 2, 2, 64, 97),
 }
 
