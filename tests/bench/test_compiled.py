@@ -32,8 +32,12 @@ def test_a_tiny_run_writes_its_section_with_every_runner(tmp_path):
         compute, memory = r["flop"] / r["flop_per_s"], r["bytes"] / r["copy_bytes_per_s"]
         assert r["floor_ms"] == pytest.approx(max(compute, memory) * 1000)
         assert r["floor_bound"] == ("compute" if compute >= memory else "memory")
+    for r in rows:  # the runner keeps the faster of its fused and compiled steps
+        assert r["eager_over_best"] == r["eager_ms"] / min(r["fused_ms"], r["compiled_ms"])
     text = md.read_text()
     assert compiled.MARKER in text and "| llama | 2 × 3 |" in text
+    assert f"- 2 × 3, eager over the faster of the fused and compiled steps: llama {rows[1]['eager_over_best']:.2f}x" \
+        in text
 
 
 def test_projections_run_every_projection_of_the_step_at_its_rows():
