@@ -177,10 +177,10 @@ class _Model(ctypes.Structure):
 class StepModel:
     """What the fused step reads of a model: per layer its norms, projections and biases (ln1, ln2, q, k, v, o,
     gate, up, down; bq, bk, bv, bo, bgate, bup, bdown; qn and kn, the q and k heads' norms; pn1 and pn2, the norms
-    of the attention's and the MLP's outputs (Gemma's); None where absent), and optionally its own RoPE tables (cos,
-    sin_signed) and sliding window (window); the final norm and logits projection, the KV pool ([layers, kv_heads,
-    pool_rows, head_dim], blocks of block_size rows), the RoPE tables of the layers without their own (their rows
-    bound positions), the attention's shape and the MLP's activation (silu, or gelu_tanh)."""
+    of the attention's and the MLP's outputs (Gemma's); None where absent), its RoPE tables (cos, sin_signed: their
+    rows bound positions) and sliding window (window, None: global); the final norm and logits projection, the KV pool
+    ([layers, kv_heads, pool_rows, head_dim], blocks of block_size rows), the attention's shape and the MLP's
+    activation (silu, or gelu_tanh)."""
 
     layers: Sequence[dict[str, torch.Tensor | None]]
     norm: torch.Tensor
@@ -188,8 +188,6 @@ class StepModel:
     lm_bias: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    cos: torch.Tensor
-    sin_signed: torch.Tensor
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -210,9 +208,9 @@ class CpuStep:
 
     def __init__(self, m: StepModel):
         layers, norm, lm_head, lm_bias, k_cache, v_cache = m.layers, m.norm, m.lm_head, m.lm_bias, m.k_cache, m.v_cache
-        cos, sin_signed, eps, scale = m.cos, m.sin_signed, m.eps, m.scale
+        eps, scale = m.eps, m.scale
         num_heads, num_kv_heads, head_dim = m.num_heads, m.num_kv_heads, m.head_dim
-        tensors = [norm, lm_head, k_cache, v_cache, cos, sin_signed]
+        tensors = [norm, lm_head, k_cache, v_cache, *(lw[t] for lw in layers for t in ("cos", "sin_signed"))]
         if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
             raise CpuStepUnavailable("the fused CPU step runs float32 models on CPU only")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -224,7 +222,7 @@ class CpuStep:
         self.lib = load_library()
         self.build = Path(self.lib._name).stem  # the build's name: its source, compiler, flags and CPU, hashed
         num_layers, _, pool_rows, _ = k_cache.shape
-        max_seq = cos.shape[0]
+        max_seq = layers[0]["cos"].shape[0]
         if pool_rows % m.block_size:
             raise CpuStepUnavailable("the KV pool's rows must be whole blocks")
         hidden = norm.shape[0]
@@ -255,13 +253,12 @@ class CpuStep:
         for i, lw in enumerate(layers):
             wqkv, bqkv = stack([lw["q"], lw["k"], lw["v"]], [lw["bq"], lw["bk"], lw["bv"]])
             wgu, bgu = stack([lw["gate"], lw["up"]], [lw["bgate"], lw["bup"]])
-            rope = (lw.get("cos"), lw.get("sin_signed")) if lw.get("cos") is not None else (cos, sin_signed)
-            if rope[0].shape[0] != max_seq:
+            if lw["cos"].shape[0] != max_seq:
                 raise CpuStepUnavailable("every layer's RoPE tables must cover the same positions")
             self.layers[i] = _Layer(own(lw["ln1"]), own(lw["ln2"]), wqkv, bqkv, packed(lw["o"]), own(lw["bo"]),
                                     wgu, bgu, packed(lw["down"]), own(lw["bdown"]),
                                     k_cache[i].data_ptr(), v_cache[i].data_ptr(), own(lw.get("qn")), own(lw.get("kn")),
-                                    own(lw.get("pn1")), own(lw.get("pn2")), own(rope[0]), own(rope[1]),
+                                    own(lw.get("pn1")), own(lw.get("pn2")), own(lw["cos"]), own(lw["sin_signed"]),
                                     lw.get("window") or 0)
         self.k_cache, self.v_cache = k_cache, v_cache
         self.model = _Model(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, lm_head.shape[0], max_seq,

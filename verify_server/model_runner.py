@@ -403,12 +403,11 @@ class ModelRunner:
                                "down": m.down_proj.weight, "bdown": bias(m.down_proj),
                                "cos": self.cos[spec.rope], "sin_signed": self.sin_signed[spec.rope],
                                "window": spec.window})
-            first = self.specs[0].rope
             return CpuStep(StepModel(layers=layers, norm=self.norm, lm_head=self.lm_head,
                                      lm_bias=bias(self.model.lm_head), k_cache=self.kv.k, v_cache=self.kv.v,
-                                     cos=self.cos[first], sin_signed=self.sin_signed[first], num_heads=self.num_heads,
-                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, eps=self.eps,
-                                     scale=self.scale, block_size=self.kv.block_size,
+                                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                     head_dim=self.head_dim, eps=self.eps, scale=self.scale,
+                                     block_size=self.kv.block_size,
                                      activation="gelu_tanh" if self.family.gemma else "silu"))
         except CpuStepUnavailable as err:
             if mode == "on":
