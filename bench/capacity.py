@@ -6,16 +6,17 @@ TTFT) / (tokens − 1); speculation delivers a round's tokens together, so the i
 no target. The device count rises through --devices; at each count a server sized for it serves `sled` devices
 (replayed drafts, the adaptive draft length, drafting ahead) and `server-only` devices (the server decodes and
 streams every token), --repeats passes each, the pass with the median p95 TPOT reported. A mode stops rising at the
-first count that misses the target. Its capacity is the count before, and what stopped it is named: `slo` (the
-latency target),
-`largest count tried`, `kv memory` (the server could not hold that many sessions) or `host` (the replaying process
-could not keep the devices drafting at the speed asked: the count measures this host, not the server). Drafts are
-replayed as `sled-bench system` replays them. Writes its section of docs/benchmarks.md, a plot, and with --json the
-per-count rows and a `capacity` list ({mode, devices, system_tokens_per_s, bound, slo}).
+first count that misses the target; the counts between its last one met and that one are then bisected to within
+--refine times the count met. Its capacity is the largest count met, and what stopped it is named: `slo` (the
+latency target), `largest count tried`, `kv memory` (the server could not hold that many sessions) or `host` (the
+replaying process could not keep the devices drafting at the speed asked: the count measures this host, not the
+server). Drafts are replayed as `sled-bench system` replays them. Writes its section of docs/benchmarks.md, a plot,
+and with --json the per-count rows and a `capacity` list ({mode, devices, system_tokens_per_s, bound, slo}).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -72,6 +73,52 @@ def host_bound(row: dict, drafting: Drafting) -> bool:
     return reached is not None and reached == reached and reached > HOST_LAG * drafting.ms_per_token
 
 
+class CountSearch:
+    """Which device counts to run: up through `counts` while any mode meets the target (a mode stops rising at its
+    first miss), then, for each mode that missed at a count, bisection between its largest count that met the
+    target and the smallest that missed, until the two are within `refine` times the count met (or a device).
+    A mode stopped by the host is not bisected: the count measures the host."""
+
+    def __init__(self, counts, modes, refine: float = 0.0):
+        self.counts, self.modes, self.refine = sorted(set(counts)), list(modes), refine
+        self.met: dict[str, dict] = {}  # mode -> its row at the largest count that met the target
+        self.missed: dict[str, tuple[int, str]] = {}  # mode -> (the smallest count that missed, what stopped it)
+        self._rising = iter(self.counts)
+
+    def next(self) -> tuple[int, list[str]] | None:
+        """The next count and the modes to run at it; None when the search is done."""
+        active = [m for m in self.modes if m not in self.missed]
+        n = next(self._rising, None) if active else None
+        if n is not None:
+            return n, active
+        mids = {m: mid for m in self.modes if (mid := self._between(m)) is not None}
+        if not mids:
+            return None
+        n = min(mids.values())
+        return n, [m for m, mid in mids.items() if mid == n]
+
+    def _between(self, mode: str) -> int | None:
+        if mode not in self.missed or self.missed[mode][1] == "host":
+            return None
+        low, high = self.met[mode]["devices"] if mode in self.met else 0, self.missed[mode][0]
+        return (low + high) // 2 if high - low > max(1.0, self.refine * low) else None
+
+    def record(self, mode: str, n: int, row: dict | None, bound: str | None) -> None:
+        """A mode's run at n devices: its row, and None where it met the target, else what stopped it."""
+        if bound is None:
+            if mode not in self.met or n > self.met[mode]["devices"]:
+                self.met[mode] = row
+        elif mode not in self.missed or n < self.missed[mode][0]:
+            self.missed[mode] = (n, bound)
+
+    def capacity(self, target: dict[str, float]) -> list[dict]:
+        """Each mode's largest count that met the target ({mode, devices, system_tokens_per_s, bound, slo})."""
+        return [{"mode": m, "devices": self.met[m]["devices"] if m in self.met else 0,
+                 "system_tokens_per_s": self.met[m]["system_tokens_per_s"] if m in self.met else 0.0,
+                 "bound": self.missed[m][1] if m in self.missed else "largest count tried", "slo": target}
+                for m in self.modes]
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -82,21 +129,20 @@ def sweep(args, tokenizer, ids, drafting: Drafting, log=_say, recorded: list | N
     `recorded`, where given, receives the drafts replayed (tables, greedy outputs, confidences)."""
     from sim.processes import ServerProcess
 
-    rows, bounds, reached, info = [], {}, {}, None
-    drafts = None
-    for n in args.devices:
-        active = [m for m in MODES if m not in bounds]
-        if not active:
-            break
+    rows, info, drafts = [], None, None
+    search = CountSearch(args.devices, MODES, args.refine)
+    while (step := search.next()) is not None:
+        n, active = step
         server = ServerProcess(*args.server_flags(n))
         try:
             address = server.start()
         except RuntimeError as err:
-            if "does not fit" in str(err):
-                bounds.update({m: "kv memory" for m in active})
-                log(f"[capacity] {n} devices: the server cannot hold that many sessions' KV: {err}")
-                break
-            raise
+            if "does not fit" not in str(err):
+                raise
+            for mode in active:
+                search.record(mode, n, None, "kv memory")
+            log(f"[capacity] {n} devices: the server cannot hold that many sessions' KV: {err}")
+            continue
         try:
             if drafts is None:
                 drafts = replayed(address, tokenizer, ids, args)
@@ -108,19 +154,13 @@ def sweep(args, tokenizer, ids, drafting: Drafting, log=_say, recorded: list | N
                 log(f"[capacity] {n} devices, {mode}: {row['system_tokens_per_s']:.1f} tok/s, p95 TPOT "
                     f"{row['p95_tpot_ms']:.1f} ms, p95 TTFT {row['p95_ttft_ms']:.0f} ms over "
                     f"{row['requests_timed']} requests")
-                if mode == "sled" and host_bound(row, drafting):
-                    bounds[mode] = "host"
-                elif not meets(row, slo(args)):
-                    bounds[mode] = "slo"
-                else:
-                    reached[mode] = row
+                bound = ("host" if mode == "sled" and host_bound(row, drafting)
+                         else None if meets(row, slo(args)) else "slo")
+                search.record(mode, n, row, bound)
             info = asyncio.run(fetch_info(address))
         finally:
             server.stop()
-    capacity = [{"mode": m, "devices": reached[m]["devices"] if m in reached else 0,
-                 "system_tokens_per_s": reached[m]["system_tokens_per_s"] if m in reached else 0.0,
-                 "bound": bounds.get(m, "largest count tried"), "slo": slo(args)} for m in MODES]
-    return rows, capacity, info
+    return rows, search.capacity(slo(args)), info
 
 
 def report(args, rows: list[dict], capacity: list[dict]) -> str:
@@ -145,10 +185,11 @@ def report(args, rows: list[dict], capacity: list[dict]) -> str:
     target = f"p95 TPOT ≤ {args.slo_tpot_ms:g} ms and p95 TTFT ≤ {args.slo_ttft_ms:g} ms"
     verdict = (f"SLED serves {ratio(sled['devices'], base['devices']):.2f}x as many devices as server-only at "
                f"{target}" if base["devices"] else f"server-only meets {target} at no count tried")
-    return ("\n".join(lines) + "\n\n" + "\n".join(caps) + f"\n\n- {verdict}; each count is one server sized for it "
-            f"(a KV slot a device), {args.repeats} passes of {args.seconds:g} s, the pass with the median p95 TPOT "
-            f"reported; TPOT and TTFT over the requests that ended inside the window; `host` means the replaying "
-            f"process drafted over {HOST_LAG:g}x slower than asked\n")
+    return ("\n".join(lines) + "\n\n" + "\n".join(caps) + f"\n\n- {verdict}; a mode's counts between its last met "
+            f"and its first missed are bisected to within {args.refine:.0%} of the count met; each count is one "
+            f"server sized for it (a KV slot a device), {args.repeats} passes of {args.seconds:g} s, the pass with "
+            f"the median p95 TPOT reported; TPOT and TTFT over the requests that ended inside the window; `host` "
+            f"means the replaying process drafted over {HOST_LAG:g}x slower than asked\n")
 
 
 def plot(rows: list[dict], slo_tpot_ms: float, path: Path) -> Path:
@@ -172,6 +213,17 @@ def plot(rows: list[dict], slo_tpot_ms: float, path: Path) -> Path:
     return path
 
 
+def share(text: str) -> float:
+    """An argparse type: a number at least 0 (NaN refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
+    return value
+
+
 def build_parser():
     from .options import system_parser
 
@@ -182,6 +234,9 @@ def build_parser():
                    help="the target's p95 over requests of TPOT, (end-to-end − TTFT) / (tokens − 1) (default 50)")
     p.add_argument("--slo-ttft-ms", type=positive(), default=2000.0,
                    help="the target's p95 over requests of TTFT, the time to the first tokens (default 2000)")
+    p.add_argument("--refine", type=share, default=0.25, metavar="SHARE",
+                   help="bisect each mode's counts between its last one met and its first missed until they are "
+                        "within this share of the count met (default 0.25; 0: to the device)")
     p.set_defaults(repeats=3)
     return p
 

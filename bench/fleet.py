@@ -452,35 +452,32 @@ SCENARIOS = {  # name -> (GPU, target shape, tensor-parallel degree)
     "4x H200, Llama 3.1 70B (TP 4)": ("h200", "llama-70b", 4),
     "L4, Llama 3.1 8B": ("l4", "llama-8b", 1),
 }
-COUNTS = tuple(2 ** i for i in range(13))  # 1 .. 4096
+COUNTS = tuple(2 ** i for i in range(13))  # 1 .. 4096, then bisected to within REFINE of the count met
+REFINE = 1 / 16
 
 
 def capacity(devices: Devices, workload: Workload, server_for, slo: dict[str, float], seconds: float,
-             counts=COUNTS, log=None) -> tuple[list[dict], list[dict]]:
-    """Counts rise until both modes miss the target or the KV pool cannot hold the sessions; `server_for(n)` is the
-    server for n devices. Returns the rows and each mode's capacity, as sled-bench capacity does."""
-    rows, bounds, reached = [], {}, {}
-    for n in counts:
-        active = [m for m in ("sled", "server-only") if m not in bounds]
-        if not active:
-            break
+             counts=COUNTS, refine: float = REFINE, log=None) -> tuple[list[dict], list[dict]]:
+    """Counts rise until both modes miss the target or the KV pool cannot hold the sessions, then each mode's gap
+    between its last count met and its first missed is bisected, as sled-bench capacity searches them; `server_for(n)`
+    is the server for n devices. Returns the rows and each mode's capacity, as sled-bench capacity does."""
+    from .capacity import CountSearch
+
+    rows, search = [], CountSearch(counts, ("sled", "server-only"), refine)
+    while (step := search.next()) is not None:
+        n, active = step
         server = server_for(n)
         if n * workload.slot() > server.kv_tokens:
-            bounds.update({m: "kv memory" for m in active})
-            break
+            for mode in active:
+                search.record(mode, n, None, "kv memory")
+            continue
         for mode in active:
             row = Fleet(mode, n, devices, workload, server).run(seconds, warmup_s=min(5.0, seconds / 2))
             rows.append(row)
             if log:
                 log(row)
-            if all(row[k] <= v for k, v in slo.items()):
-                reached[mode] = row
-            else:
-                bounds[mode] = "slo"
-    caps = [{"mode": m, "devices": reached[m]["devices"] if m in reached else 0,
-             "system_tokens_per_s": reached[m]["system_tokens_per_s"] if m in reached else 0.0,
-             "bound": bounds.get(m, "largest count tried"), "slo": slo} for m in ("sled", "server-only")]
-    return rows, caps
+            search.record(mode, n, row, None if all(row[k] <= v for k, v in slo.items()) else "slo")
+    return sorted(rows, key=lambda r: r["devices"]), search.capacity(slo)
 
 
 def fit_cost(rows: list[dict]) -> LinearCost:
@@ -623,7 +620,8 @@ def report(args, drafting, cost: LinearCost, gap: tuple[float, float], accept, w
         "(server-only on an engine at its floor); bf16 weights and KV, the KV pool 90% of the GPUs' memory after the "
         f"weights; requests of {workload.tokens} tokens after this workload's prompts; a 20 ms link round trip; the "
         "real pair's drafts replayed as above; p95 TTFT within "
-        f"{args.slo_ttft_ms:g} ms; counts double from 1 until both modes miss the target.\n\n"
+        f"{args.slo_ttft_ms:g} ms; counts double from 1 until both modes miss the target, then each mode's are "
+        f"bisected between its last count met and its first missed to within {REFINE:.0%} of the count met.\n\n"
         + "\n".join(scen) + "\n")
 
 
