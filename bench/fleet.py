@@ -593,7 +593,7 @@ def report(args, drafting, cost: LinearCost, gap: tuple[float, float], accept, w
             "SLED / server-only | what stopped each |", "|---|---|---:|---:|---:|---:|---|"]
     for sc in scenarios:
         sled, base = sc["capacity"]
-        vs = f"{sled['devices'] / base['devices']:.1f}x" if base["devices"] else "—"
+        vs = f"{sled['devices'] / base['devices']:.2f}x" if base["devices"] else "—"
         scen.append(f"| {sc['scenario']} | {sc['devices']} ({sc['draft_ms']:.1f}) | {sc['slo']['p95_tpot_ms']:g} ms | "
                     f"{sled['devices']} | {base['devices']} | {vs} | {sled['bound']}, {base['bound']} |")
     return (
