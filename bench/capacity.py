@@ -16,7 +16,6 @@ and with --json the per-count rows and a `capacity` list ({mode, devices, system
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -213,28 +212,17 @@ def plot(rows: list[dict], slo_tpot_ms: float, path: Path) -> Path:
     return path
 
 
-def share(text: str) -> float:
-    """An argparse type: a number at least 0 (NaN refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
-    return value
-
-
 def build_parser():
     from .options import system_parser
 
-    from .cli import positive
+    from .cli import at_least, positive
 
     p = system_parser(__doc__, devices="16,32,64,128,256,512")
     p.add_argument("--slo-tpot-ms", type=positive(), default=50.0,
                    help="the target's p95 over requests of TPOT, (end-to-end − TTFT) / (tokens − 1) (default 50)")
     p.add_argument("--slo-ttft-ms", type=positive(), default=2000.0,
                    help="the target's p95 over requests of TTFT, the time to the first tokens (default 2000)")
-    p.add_argument("--refine", type=share, default=0.25, metavar="SHARE",
+    p.add_argument("--refine", type=at_least(0), default=0.25, metavar="SHARE",
                    help="bisect each mode's counts between its last one met and its first missed until they are "
                         "within this share of the count met (default 0.25; 0: to the device)")
     p.set_defaults(repeats=3)
