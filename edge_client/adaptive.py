@@ -214,8 +214,8 @@ class DraftModes:
     reference stays. A challenger that scores above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes
     the reference at once: the rest are played beside it, and a slow reference is not played between every trial.
     The winner is played for a spell, after which its neighbours (the model's way, K doubled and halved) are tried
-    again. The spell doubles while the same mode wins. A fixed K is halved further only while halving it scored
-    above its reference. The warm-up trial is the model's way, played before the trials anyway."""
+    again. The spell doubles while the same mode wins. A fixed K that scores above its reference has the fixed K
+    beside it tried next (climb). The warm-up trial is the model's way, played before the trials anyway."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
@@ -302,7 +302,7 @@ class DraftModes:
             return
         if self.waiting is not None:
             self.score[self.waiting] = self.rate[self.waiting] / max((self.before + rate) / 2, 1e-9)
-            self.halve(self.waiting)
+            self.climb(self.waiting)
             if self.confirming is None and self.score[self.waiting] > 1 + self.MOVE_MARGIN:
                 # the rest are scored beside the new reference, from its trial just played
                 self.reference, self.score, rate = self.waiting, {}, self.rate[self.waiting]
@@ -335,15 +335,17 @@ class DraftModes:
         i = self.fixed.index(best)
         self.trials(MODEL, [best] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != best and self.worth(k)])
 
-    def halve(self, mode: int) -> None:
-        """After a fixed K's score: its half is tried next while halving scores above the reference."""
+    def climb(self, mode: int) -> None:
+        """After a fixed K scores above its reference, the fixed K beside it not yet tried (its half, then its double)
+        are tried next: K moves on in either direction while a step that way measures faster."""
         if mode not in self.fixed or self.score[mode] <= 1.0:
             return
         i = self.fixed.index(mode)
-        half = self.fixed[i + 1] if i + 1 < len(self.fixed) else None
-        if half is not None and half not in self.score and half != self.reference and half not in self.challengers \
-                and self.worth(half):
-            self.challengers.insert(0, half)
+        for j in (i - 1, i + 1):  # the double, then the half, each inserted first
+            k = self.fixed[j] if 0 <= j < len(self.fixed) else None
+            if k is not None and k not in self.score and k != self.reference and k not in self.challengers \
+                    and self.worth(k):
+                self.challengers.insert(0, k)
 
     def neighbours(self, mode: int) -> list[int]:
         """The modes tried again after a spell of `mode`: the model's, and the fixed K beside it (after the model's

@@ -318,3 +318,13 @@ def test_the_reference_is_the_models_way_and_the_first_challenger_the_fixed_k_it
     unrated = DraftModes(8)
     trials = trials_until_a_winner(unrated, 4, lambda mode, done: measured[mode])
     assert trials == [MODEL, MODEL, 8, MODEL, 4, MODEL] and unrated.best == MODEL  # K = 2, the fastest, never tried
+
+
+def test_a_fixed_k_that_wins_has_its_double_tried_too():
+    """The model rates K = 2 fastest (its first rounds priced short drafts well), so 2 and 4 are the challengers; 4
+    wins by more than a sunk trial moves a score and becomes the reference, and its double, 8, never among the
+    challengers, is tried beside it and wins: K climbs up as well as down."""
+    measured = {MODEL: 50.0, 8: 70.0, 4: 60.0, 2: 48.0}
+    modes = DraftModes(8, rate={8: 40.0, 4: 50.0, 2: 55.0}.get)
+    trials = trials_until_a_winner(modes, 4, lambda mode, done: measured[mode])
+    assert trials == [MODEL, MODEL, 2, MODEL, 4, MODEL, 8, 4] and modes.best == 8
