@@ -341,10 +341,8 @@ class DraftModes:
         if mode not in self.fixed or self.score[mode] <= 1.0:
             return
         i = self.fixed.index(mode)
-        for j in (i - 1, i + 1):  # the double, then the half, each inserted first
-            k = self.fixed[j] if 0 <= j < len(self.fixed) else None
-            if k is not None and k not in self.score and k != self.reference and k not in self.challengers \
-                    and self.worth(k):
+        for k in self.fixed[max(i - 1, 0):i] + self.fixed[i + 1:i + 2]:  # its double, then its half: each goes first
+            if k not in self.score and k != self.reference and k not in self.challengers and self.worth(k):
                 self.challengers.insert(0, k)
 
     def neighbours(self, mode: int) -> list[int]:
