@@ -197,25 +197,25 @@ MODEL = 0  # DraftModes' mode in which K and answering at once are the model's (
 class DraftModes:
     """Which way of drafting the controller plays, chosen by what each one measures. The model's way (MODEL: K chosen
     each round by RoundCost, verdicts answered at once where it pays) against K fixed and finished before each draft
-    goes out (K_max, then halving). The model prices a round by its parts; a round also costs what only its own
-    time shows (a shared machine's cores and memory slowing the drafting while the server steps, the device's
-    Python), and answering at once borrows the next round's drafting.
+    goes out (K_max, then halving). The model prices a round by its parts; a round also costs what only its own time
+    shows (a shared machine's cores and memory slowing the drafting while the server steps, the device's Python), and
+    answering at once borrows the next round's drafting.
 
-    So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
-    committed tokens a second from verdict to verdict, after one trial that only warms up. Where the controller
-    knows what each round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens
-    are counted so, not as the text it met let them be accepted. The text moves a trial's rate more than the mode
-    does (an easy prompt, then a hard one), so each challenger is played between two trials of a reference (at first
-    the model's way, so that a tie keeps it; then the mode being played) and scored against their mean: both see the
-    same stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the
-    drafter misses) can sink one reference trial and lift every challenger beside it. So the best challenger that
-    scores above 1 + SWITCH_MARGIN is played beside the reference once more, and takes over only where that second
-    score is above it too; where it is not, the next such challenger is played again, and where none is left the
-    reference stays. A challenger that scores above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes
-    the reference at once: the rest are played beside it, and a slow reference is not played between every trial.
-    The winner is played for a spell, after which its neighbours (the model's way, K doubled and halved) are tried
-    again. The spell doubles while the same mode wins. A fixed K that scores above its reference has the fixed K
-    beside it tried next (climb). The warm-up trial is the model's way, played before the trials anyway."""
+    So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in committed
+    tokens a second from verdict to verdict, after one trial that only warms up. Where the controller knows what each
+    round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens are counted so, not as
+    the text it met let them be accepted. The text moves a trial's rate more than the mode does (an easy prompt, then a
+    hard one), so each challenger is played between two trials of a reference (at first the fixed K the model rates
+    fastest, so that a tie keeps it; then the mode being played) and scored against their mean: both see the same
+    stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the drafter misses)
+    can sink one reference trial and lift every challenger beside it. So the best challenger that scores above 1 +
+    SWITCH_MARGIN is played beside the reference once more, and takes over only where that second score is above it too;
+    where it is not, the next such challenger is played again, and where none is left the reference stays. A challenger
+    that scores above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes the reference at once: the rest
+    are played beside it, and a slow reference is not played between every trial. The winner is played for a spell,
+    after which its neighbours (the model's way, K doubled and halved) are tried again. The spell doubles while the same
+    mode wins. A fixed K that scores above its reference has the fixed K beside it tried next (climb). The warm-up trial
+    is the model's way, played before the trials anyway."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
@@ -325,15 +325,16 @@ class DraftModes:
         self.last_best = self.best = self.mode = best
 
     def start_from_model(self) -> None:
-        """After the warm-up, the challengers of the model's way are the fixed K the model rates fastest, first, and the
-        fixed K beside it (K_max and its half where it rates none): not K_max, which on hard text is often the
-        slowest."""
+        """After the warm-up, the reference is the fixed K the model rates fastest, and the challengers the model's way
+        and the fixed K beside it: a lone device's rounds cost what the model leaves out, so answering at once is
+        played only where it measures faster, and a tie keeps the fixed K. Where the model rates none, the model's way
+        stays the reference against K_max and its half."""
         rated = {k: r for k in self.fixed if self.worth(k) and (r := self.model_rate(k)) is not None}
         if not rated:
             return
         best = max(rated, key=rated.get)
         i = self.fixed.index(best)
-        self.trials(MODEL, [best] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != best and self.worth(k)])
+        self.trials(best, [MODEL] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != best and self.worth(k)])
 
     def climb(self, mode: int) -> None:
         """After a fixed K scores above its reference, the fixed K beside it not yet tried (its half, then its double)
