@@ -333,16 +333,14 @@ class DraftModes:
         if not rated:
             return
         best = max(rated, key=rated.get)
-        i = self.fixed.index(best)
-        self.trials(best, [MODEL] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != best and self.worth(k)])
+        self.trials(best, [MODEL] + [k for k in self.beside(best) if self.worth(k)])
 
     def climb(self, mode: int) -> None:
         """After a fixed K scores above its reference, the fixed K beside it not yet tried (its half, then its double)
         are tried next: K moves on in either direction while a step that way measures faster."""
         if mode not in self.fixed or self.score[mode] <= 1.0:
             return
-        i = self.fixed.index(mode)
-        for k in self.fixed[max(i - 1, 0):i] + self.fixed[i + 1:i + 2]:  # its double, then its half: each goes first
+        for k in self.beside(mode):  # its double, then its half: each goes first
             if k not in self.score and k != self.reference and k not in self.challengers and self.worth(k):
                 self.challengers.insert(0, k)
 
@@ -351,8 +349,12 @@ class DraftModes:
         spell, the fixed K that measured best)."""
         if mode == MODEL:
             return sorted((k for k in self.rate if k != MODEL), key=lambda k: -self.rate[k])[:1]
-        i = self.fixed.index(mode)
-        return [MODEL] + [k for k in self.fixed[max(i - 1, 0):i + 2] if k != mode]
+        return [MODEL] + self.beside(mode)
+
+    def beside(self, k: int) -> list[int]:
+        """The fixed K next to `k` among those tried: its double, then its half, where there is one."""
+        i = self.fixed.index(k)
+        return self.fixed[max(i - 1, 0):i] + self.fixed[i + 1:i + 2]
 
 
 class AdaptiveDraftLength:
