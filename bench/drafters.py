@@ -5,7 +5,9 @@ figures are acceptance rate (accepted / drafted), mean acceptance length (1 + ac
 device tokens/s. The server and the device's drafting thread each have cores of their own, as on two machines.
 One drafter instance serves a whole set, so Cacheback's tables warm up across the
 set's prompts, as on a device that keeps running. With --adaptive, every mode (the adaptive K and each fixed K) is
-a device of its own, and the modes take turns prompt by prompt, so the host's drift falls on all of them alike.
+a device of its own, and the modes take turns prompt by prompt, so the host's drift falls on all of them alike; one
+more adaptive device is kept: its controller first runs the set's prompts once, uncounted, as a device that has run a
+while (a fresh controller spends its first few hundred tokens trying each way of drafting).
 Every drafter and set runs --repeats times, interleaved (each repeat's order starting one drafter further on, after
 one uncounted generation that warms the server), and each row pools its runs. Writes its section of
 docs/benchmarks.md.
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -90,6 +93,31 @@ def policy(k: int, adaptive: bool) -> DraftPolicy:
     return DraftPolicy(draft_tokens=k, adaptive=adaptive, max_draft_tokens=k)
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A device of an --adaptive run: its row's K column, its K (the most K, where adaptive), and whether its
+    controller is kept from one uncounted pass through the set's prompts first."""
+
+    label: str
+    k: int
+    adaptive: bool = False
+    kept: bool = False
+
+    @property
+    def policy(self) -> DraftPolicy:
+        return policy(self.k, self.adaptive)
+
+
+KEPT = "adaptive, kept"  # the K column of the kept adaptive device
+
+
+def measured_modes(k: int, adaptive: bool, fixed: list[int] | None) -> list[Mode]:
+    """The devices a run measures: K alone, or the adaptive K, the adaptive K kept and the fixed K beside them."""
+    if not adaptive:
+        return [Mode(str(k), k)]
+    return [Mode("adaptive", k, True), Mode(KEPT, k, True, kept=True)] + [Mode(str(f), f) for f in fixed_ks(k, fixed)]
+
+
 def turns(prompts: int, modes: int) -> list[tuple[int, int]]:
     """(prompt, mode) in the order run_modes plays them: every mode through each prompt before the next prompt, the
     first mode moving on by one each prompt, so no mode always meets the host just after another."""
@@ -106,29 +134,35 @@ def rotated(items: list, repeat: int) -> list:
 def warm_up(address, tokenizer, make_drafter, prompt: str, max_tokens: int) -> None:
     """One uncounted generation: a fresh server's first requests are slower (its first steps at each size, Python's
     first calls), and would count against whichever drafter ran first."""
-    run_modes(address, tokenizer, make_drafter, [prompt], max_tokens, [("warm-up", 4, False)])
+    run_modes(address, tokenizer, make_drafter, [prompt], max_tokens, [Mode("warm-up", 4)])
 
 
-def run_modes(address, tokenizer, make_drafter, texts, max_tokens, modes) -> list[dict]:
-    """Each mode (label, K, adaptive) as a device of its own (its drafter from make_drafter(), its controller kept
-    across its requests) through a set's prompts, the modes taking turns prompt by prompt: a mode's figures span the
-    same minutes of the host as every other's, so its drift between them is not read as a mode's speed. A row each."""
+def run_modes(address, tokenizer, make_drafter, texts, max_tokens, modes: list[Mode]) -> list[dict]:
+    """Each mode as a device of its own (its drafter from make_drafter(), its controller kept across its requests)
+    through a set's prompts, the modes taking turns prompt by prompt: a mode's figures span the same minutes of the
+    host as every other's, so its drift between them is not read as a mode's speed. A kept mode's device runs the
+    prompts once first, uncounted. A row each."""
     prompt_ids = chat(tokenizer, texts)
     devices: list[tuple] = []
     results: list[list] = [[] for _ in modes]
 
     async def main() -> None:
         async with Runner(address, tokenizer) as runner:
+            def generate(i: int, m: int):
+                request = Request(prompt_ids[i], max_tokens=max_tokens, policy=modes[m].policy)
+                return runner.generate(Job(devices[m][0], request), devices[m][1])
+
+            for m in (m for m, mode in enumerate(modes) if mode.kept):
+                for i in range(len(prompt_ids)):
+                    await generate(i, m)
             for i, m in turns(len(texts), len(modes)):
-                drafter, controller = devices[m]
-                request = Request(prompt_ids[i], max_tokens=max_tokens, policy=policy(*modes[m][1:]))
-                results[m].append(await runner.generate(Job(drafter, request), controller))
+                results[m].append(await generate(i, m))
 
     try:
-        for _, k, adaptive in modes:
-            devices.append((make_drafter(), device_controller(policy(k, adaptive))))
+        for mode in modes:
+            devices.append((make_drafter(), device_controller(mode.policy)))
         asyncio.run(main())
-        return [set_row(d, done, k) for (d, _), done, (_, k, _) in zip(devices, results, modes)]
+        return [set_row(d, done, mode.k) for (d, _), done, mode in zip(devices, results, modes)]
     finally:
         for d, _ in devices:
             d.close()
@@ -379,30 +413,31 @@ def fixed_ks(k_max: int, given: list[int] | None) -> list[int]:
 
 
 def adaptive_goals(rows: list[dict]) -> str:
-    """Each drafter's adaptive K against its best fixed K of the run (both over all their runs), text set by text set
-    (goal 0.98x); and, where the rows keep every pass's tok/s, each pass's adaptive run over that K's run of the same
-    pass (the modes of a pass ran back to back, so the host's drift between passes leaves the ratio), with the
-    passes' standard error: how far the run's ratio can be trusted."""
+    """Each drafter's adaptive K (and the kept one, where the run has it) against its best fixed K of the run (both
+    over all their runs), text set by text set (goal 0.98x); and, where the rows keep every pass's tok/s, each pass's
+    adaptive run over that K's run of the same pass (the modes of a pass ran back to back, so the host's drift between
+    passes leaves the ratio), with the passes' standard error: how far the run's ratio can be trusted."""
     out = []
     for name in dict.fromkeys(r["drafter"] for r in rows):
-        parts, passes = [], []
-        for text in texts_of(rows):
-            mine = [r for r in rows if r["drafter"] == name and r["text"] == text]
-            adaptive = [r for r in mine if r["k"] == "adaptive"]
-            fixed = [r for r in mine if r["k"] != "adaptive"]
-            if adaptive and fixed:
-                best = max(fixed, key=lambda r: r["tokens_per_s"])
-                parts.append(f"{text} {adaptive[0]['tokens_per_s'] / best['tokens_per_s']:.2f}x (K = {best['k']})")
-                ratios = paired(adaptive[0], best)
-                if len(ratios) > 1:
-                    error = statistics.stdev(ratios) / len(ratios) ** 0.5
-                    passes.append(f"{text} {'/'.join(f'{x:.2f}' for x in ratios)}x (standard error {error:.2f})")
-        if parts:
-            out.append(f"- {name}, adaptive K / the best fixed K, device tok/s: {', '.join(parts)} (goal at least "
-                       "0.98x for a drafter with a model)")
-        if passes:
-            out.append(f"- {name}, pass by pass (each adaptive run over that fixed K's run of its pass): "
-                       + ", ".join(passes))
+        for label, what, goal in (("adaptive", "adaptive K", " (goal at least 0.98x for a drafter with a model)"),
+                                  (KEPT, "adaptive K kept (one uncounted pass first)", "")):
+            parts, passes = [], []
+            for text in texts_of(rows):
+                mine = [r for r in rows if r["drafter"] == name and r["text"] == text]
+                adaptive = [r for r in mine if r["k"] == label]
+                fixed = [r for r in mine if r["k"].isdigit()]
+                if adaptive and fixed:
+                    best = max(fixed, key=lambda r: r["tokens_per_s"])
+                    parts.append(f"{text} {adaptive[0]['tokens_per_s'] / best['tokens_per_s']:.2f}x (K = {best['k']})")
+                    ratios = paired(adaptive[0], best)
+                    if len(ratios) > 1:
+                        error = statistics.stdev(ratios) / len(ratios) ** 0.5
+                        passes.append(f"{text} {'/'.join(f'{x:.2f}' for x in ratios)}x (standard error {error:.2f})")
+            if parts:
+                out.append(f"- {name}, {what} / the best fixed K, device tok/s: {', '.join(parts)}{goal}")
+            if passes:
+                out.append(f"- {name}, {what}, pass by pass (each run over that fixed K's run of its pass): "
+                           + ", ".join(passes))
     return "\n".join(out)
 
 
@@ -543,8 +578,7 @@ def main(args) -> int:
         stacked_on = {}
     k = args.draft_tokens
     # (the K column's label, K, adaptive): an adaptive run is measured beside fixed K in the same run
-    modes = ([("adaptive", k, True)] + [(str(f), f, False) for f in fixed_ks(k, args.fixed_k)] if args.adaptive
-             else [(str(k), k, False)])
+    modes = measured_modes(k, args.adaptive, args.fixed_k)
     costs = {}
     for model in dict.fromkeys(stacked_on.values()):
         costs[model] = check_cost(*compared[model], k)
@@ -553,7 +587,7 @@ def main(args) -> int:
     try:
         # a server caps K at its max_draft_tokens (16 by default) without a word: it must allow the K reported
         with ServerProcess("--max-sessions", "4", "--max-seq-len", "1024", "--threads", str(args.server_threads),
-                           "--max-draft-tokens", str(max(16, *(m[1] for m in modes)))) as address:
+                           "--max-draft-tokens", str(max(16, *(m.k for m in modes)))) as address:
             tokenizer = Tokenizer()
             first_kind, first_opts = next(iter(compared.values()))
             warm_up(address, tokenizer, lambda: create_drafter(first_kind, first_opts), sets[0][1][0], args.max_tokens)
@@ -561,7 +595,7 @@ def main(args) -> int:
                 for (name, (kind, opts)), (label, prompts) in itertools.product(rotated(list(compared.items()), repeat),
                                                                                 sets):
                     print(f"[bench] run {repeat + 1}/{args.repeats}: {name}, {label} text"
-                          + (f", K {'/'.join(m[0] for m in modes)} prompt by prompt" if args.adaptive else "")
+                          + (f", K {'/'.join(m.label for m in modes)} prompt by prompt" if args.adaptive else "")
                           + " ...", end=" ", flush=True)
 
                     def make_drafter():
@@ -569,16 +603,16 @@ def main(args) -> int:
                         return d if args.device_pace == 1.0 else Paced(d, args.device_pace)
 
                     done = run_modes(address, tokenizer, make_drafter, prompts, args.max_tokens, modes)
-                    for (mode, _, _), row in zip(modes, done):
-                        runs.setdefault((name, label, mode), []).append(row)
-                    print(", ".join(f"{'K ' + mode + ': ' if args.adaptive else ''}acceptance "
+                    for mode, row in zip(modes, done):
+                        runs.setdefault((name, label, mode.label), []).append(row)
+                    print(", ".join(f"{'K ' + mode.label + ': ' if args.adaptive else ''}acceptance "
                                     f"{row['acceptance_rate']:.2f}, {row['tokens_per_s']:.1f} tok/s"
-                                    for (mode, _, _), row in zip(modes, done)), flush=True)
+                                    for mode, row in zip(modes, done)), flush=True)
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 1
     rows = [pooled_run(name, label, done) | {"k": mode} for (name, label, mode), done in runs.items()]
-    main_rows = [r for r in rows if r["k"] == modes[0][0]]  # the adaptive K's, or the one fixed K's
+    main_rows = [r for r in rows if r["k"] == modes[0].label]  # the adaptive K's, or the one fixed K's
     ceilings = [
         f"- on this host a forward of {k} tokens costs {model} {cost:.2f} of its one-token steps, so a "
         f"stacked round whose every guess is kept still takes {stack_ceiling(k, cost):.2f} of the model alone's "
@@ -604,8 +638,10 @@ def main(args) -> int:
         f"- target: SmolLM2-135M-Instruct (float32, torch, {args.server_threads} thread"
         f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
         + (f"K chosen each round by the device's adaptive controller, at most {args.draft_tokens}, beside fixed K = "
-           + ", ".join(m[0] for m in modes[1:])
-           + " in the same run (a device each, the modes taking turns prompt by prompt)"
+           + ", ".join(m.label for m in modes if not m.adaptive)
+           + f" in the same run (a device each, the modes taking turns prompt by prompt), and {KEPT}: another "
+           "adaptive device whose controller first ran the set's prompts once, uncounted, as a device that has run "
+           "a while"
            if args.adaptive else f"K = {args.draft_tokens}")
         + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from bench import runner as runner_module
 
 from bench.drafters import (checked_lines, copied_line, copied_tokens, guess_walk, marker, pooled_run, render_table,
                             stack_ceiling, stack_ratios, trained_goals, trained_name, walk_line)
@@ -145,7 +146,7 @@ def test_an_adaptive_run_names_its_own_section_and_drafts_under_the_devices_cont
 
 
 def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
-    from bench.drafters import adaptive_goals, build_parser, fixed_ks
+    from bench.drafters import KEPT, adaptive_goals, build_parser, fixed_ks, measured_modes
 
     assert fixed_ks(8, None) == [2, 4, 8] and fixed_ks(4, None) == [2, 4] and fixed_ks(3, None) == [2, 3]
     assert fixed_ks(8, [3, 5]) == [3, 5]
@@ -169,8 +170,16 @@ def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
     assert adaptive_goals(rows).splitlines() == [
         "- d, adaptive K / the best fixed K, device tok/s: edit 0.94x (K = 4) (goal at least 0.98x for a drafter "
         "with a model)",
-        "- d, pass by pass (each adaptive run over that fixed K's run of its pass): edit 0.98/1.20x (standard error "
-        "0.11)"]
+        "- d, adaptive K, pass by pass (each run over that fixed K's run of its pass): edit 0.98/1.20x (standard "
+        "error 0.11)"]
+    # the kept adaptive device is read against the same fixed K (never counted as one), on lines of its own
+    rows.append({"drafter": "d", "text": "edit", "k": KEPT, "tokens_per_s": 33.0, "runs_tokens_per_s": [50.0, 25.0]})
+    assert adaptive_goals(rows).splitlines()[2:] == [
+        "- d, adaptive K kept (one uncounted pass first) / the best fixed K, device tok/s: edit 1.03x (K = 4)",
+        "- d, adaptive K kept (one uncounted pass first), pass by pass (each run over that fixed K's run of its "
+        "pass): edit 1.00/1.25x (standard error 0.12)"]
+    assert [m.label for m in measured_modes(8, True, None)] == ["adaptive", KEPT, "2", "4", "8"]
+    assert [(m.label, m.k, m.adaptive, m.kept) for m in measured_modes(4, False, None)] == [("4", 4, False, False)]
 
 
 def test_the_server_leaves_the_devices_drafting_thread_a_core_of_its_own():
@@ -220,10 +229,11 @@ def test_the_held_out_set_is_the_first_trained_drafters_own(tmp_path):
     assert trained_drafters(Namespace(early_exit=None, trained=[str(tmp_path / "old.onnx")]), tmp_path)[2] == []
 
 
-def test_the_modes_take_turns_prompt_by_prompt_each_a_device_of_its_own(tiny_server, tokenizer):
+def test_the_modes_take_turns_prompt_by_prompt_each_a_device_of_its_own(tiny_server, tokenizer, monkeypatch):
     """--adaptive: each mode is a device with its own drafter, through every prompt of the set, the modes taking
-    turns prompt by prompt (the first mode moving on each prompt); each row is its mode's own generations."""
-    from bench.drafters import run_modes, turns
+    turns prompt by prompt (the first mode moving on each prompt); each row is its mode's own generations. A kept
+    mode's device runs the set once first, uncounted, with the controller it then keeps."""
+    from bench.drafters import Mode, run_modes, turns
     from edge_client.drafters import DrafterOptions, create_drafter
 
     assert turns(2, 3) == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 0)]
@@ -246,13 +256,24 @@ def test_the_modes_take_turns_prompt_by_prompt_each_a_device_of_its_own(tiny_ser
             self.inner.close()
 
     texts = ["Count from 1 to 9.", "Name three colours."]
-    modes = [("adaptive", 4, True), ("2", 2, False), ("4", 4, False)]
+    modes = [Mode("adaptive", 4, True), Mode("2", 2), Mode("4", 4), Mode("kept", 4, True, kept=True)]
+    seen = []
+    original = runner_module.Runner.generate
+
+    async def generate(self, job, controller=None):
+        seen.append(controller)
+        return await original(self, job, controller)
+
+    monkeypatch.setattr(runner_module.Runner, "generate", generate)
     rows = run_modes(tiny_server.address, tokenizer, Recorded, texts, 8, modes)
-    assert len(rows) == 3 and len(made) == 3 and all(d.closed for d in made)
+    assert len(rows) == 4 and len(made) == 4 and all(d.closed for d in made)
     prompts = sorted({context for _, context in played}, key=[c for _, c in played].index)
     assert len(prompts) == 2  # the set's two prompts, the first played by every mode before the second
-    assert [(device, prompts.index(context)) for device, context in played] == [(m, i) for i, m in turns(2, 3)]
-    assert all(r["tokens"] == 16 for r in rows)  # each device generated both answers (8 tokens each)
+    order = [(device, prompts.index(context)) for device, context in played]
+    assert order[:2] == [(3, 0), (3, 1)]  # the kept device's uncounted pass first
+    assert order[2:] == [(m, i) for i, m in turns(2, 4)]
+    assert seen[0] is seen[1] is seen[2 + turns(2, 4).index((0, 3))]  # one controller through both passes
+    assert all(r["tokens"] == 16 for r in rows)  # each device's row counts both answers once (8 tokens each)
     assert rows[1]["draft_tokens_per_round"] <= 2 and rows[2]["draft_tokens_per_round"] <= 4
 
 
