@@ -159,7 +159,7 @@ def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
     rows = [{"drafter": "d", "text": "edit", "k": k, "tokens_per_s": v}
             for k, v in (("adaptive", 49.0), ("2", 40.0), ("4", 50.0), ("8", 45.0))]
     rows += [{"drafter": "d", "text": "free", "k": k, "tokens_per_s": v} for k, v in (("adaptive", 30.0), ("2", 20.0))]
-    assert adaptive_goals(rows) == ("- d, adaptive K / the best fixed K, device tok/s: edit 0.98x (K = 4), free 1.50x "
+    assert adaptive_goals(rows) == ("- d, adaptive K / the best fixed K, device tok/s: edit 0.980x (K = 4), free 1.500x "
                                     "(K = 2) (goal at least 0.98x for a drafter with a model)")
     # with every pass kept: each pass's adaptive run over the run of that pass of the best fixed K over all passes
     # (K = 4, though K = 2 was faster in the second pass), and the passes' standard error
@@ -168,14 +168,14 @@ def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
     rows = [{"drafter": "d", "text": "edit", "k": k, "tokens_per_s": pooled[k], "runs_tokens_per_s": v}
             for k, v in passes.items()]
     assert adaptive_goals(rows).splitlines() == [
-        "- d, adaptive K / the best fixed K, device tok/s: edit 0.94x (K = 4) (goal at least 0.98x for a drafter "
+        "- d, adaptive K / the best fixed K, device tok/s: edit 0.938x (K = 4) (goal at least 0.98x for a drafter "
         "with a model)",
         "- d, adaptive K, pass by pass (each run over that fixed K's run of its pass): edit 0.98/1.20x (standard "
         "error 0.11)"]
     # the kept adaptive device is read against the same fixed K (never counted as one), on lines of its own
     rows.append({"drafter": "d", "text": "edit", "k": KEPT, "tokens_per_s": 33.0, "runs_tokens_per_s": [50.0, 25.0]})
     assert adaptive_goals(rows).splitlines()[2:] == [
-        "- d, adaptive K kept (one uncounted pass first) / the best fixed K, device tok/s: edit 1.03x (K = 4)",
+        "- d, adaptive K kept (one uncounted pass first) / the best fixed K, device tok/s: edit 1.031x (K = 4)",
         "- d, adaptive K kept (one uncounted pass first), pass by pass (each run over that fixed K's run of its "
         "pass): edit 1.00/1.25x (standard error 0.12)"]
     assert [m.label for m in measured_modes(8, True, None)] == ["adaptive", KEPT, "2", "4", "8"]
