@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from bench import runner as runner_module
 
+from bench import runner as runner_module
 from bench.drafters import (checked_lines, copied_line, copied_tokens, guess_walk, marker, pooled_run, render_table,
                             stack_ceiling, stack_ratios, trained_goals, trained_name, walk_line)
 
