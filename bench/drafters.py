@@ -428,7 +428,7 @@ def adaptive_goals(rows: list[dict]) -> str:
                 fixed = [r for r in mine if r["k"].isdigit()]
                 if adaptive and fixed:
                     best = max(fixed, key=lambda r: r["tokens_per_s"])
-                    # three places: the goal's 0.98x is too near for two to tell a 0.976x short
+                    # three places: two round a ratio just short of the goal up to it
                     parts.append(f"{text} {adaptive[0]['tokens_per_s'] / best['tokens_per_s']:.3f}x (K = {best['k']})")
                     ratios = paired(adaptive[0], best)
                     if len(ratios) > 1:
