@@ -578,7 +578,7 @@ def main(args) -> int:
         compared = {name: m for name, m in compared.items() if name not in stacked_on}
         stacked_on = {}
     k = args.draft_tokens
-    # (the K column's label, K, adaptive): an adaptive run is measured beside fixed K in the same run
+    # an adaptive run is measured beside the kept adaptive device and fixed K in the same run
     modes = measured_modes(k, args.adaptive, args.fixed_k)
     costs = {}
     for model in dict.fromkeys(stacked_on.values()):
