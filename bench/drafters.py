@@ -111,11 +111,13 @@ class Mode:
 KEPT = "adaptive, kept"  # the K column of the kept adaptive device
 
 
-def measured_modes(k: int, adaptive: bool, fixed: list[int] | None) -> list[Mode]:
-    """The devices a run measures: K alone, or the adaptive K, the adaptive K kept and the fixed K beside them."""
+def measured_modes(k: int, adaptive: bool, fixed: list[int] | None, kept: bool = True) -> list[Mode]:
+    """The devices a run measures: K alone, or the adaptive K, the adaptive K kept (unless not `kept`) and the fixed K
+    beside them."""
     if not adaptive:
         return [Mode(str(k), k)]
-    return [Mode("adaptive", k, True), Mode(KEPT, k, True, kept=True)] + [Mode(str(f), f) for f in fixed_ks(k, fixed)]
+    return ([Mode("adaptive", k, True)] + ([Mode(KEPT, k, True, kept=True)] if kept else [])
+            + [Mode(str(f), f) for f in fixed_ks(k, fixed)])
 
 
 def turns(prompts: int, modes: int) -> list[tuple[int, int]]:
@@ -359,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-k", type=k_list, metavar="K,...",
                    help="with --adaptive: the fixed K run beside it (default: 2, 4 and so on doubling up to "
                         "--draft-tokens, and --draft-tokens)")
+    p.add_argument("--no-kept", dest="kept", action="store_false",
+                   help="with --adaptive: leave out the kept adaptive device (its uncounted first pass through every "
+                        "set adds about a quarter to the run)")
     p.add_argument("--models-only", action="store_true",
                    help="only the drafters with a model (llama.cpp, ONNX, stacked on either): no n-gram drafter alone")
     p.add_argument("--no-stacked", dest="stacked", action="store_false", help="leave the stacked drafters out")
@@ -579,7 +584,7 @@ def main(args) -> int:
         stacked_on = {}
     k = args.draft_tokens
     # an adaptive run is measured beside the kept adaptive device and fixed K in the same run
-    modes = measured_modes(k, args.adaptive, args.fixed_k)
+    modes = measured_modes(k, args.adaptive, args.fixed_k, args.kept)
     costs = {}
     for model in dict.fromkeys(stacked_on.values()):
         costs[model] = check_cost(*compared[model], k)
@@ -640,9 +645,9 @@ def main(args) -> int:
         f"{'s' if args.server_threads > 1 else ''}; each drafter {DRAFTER_THREADS}); greedy; "
         + (f"K chosen each round by the device's adaptive controller, at most {args.draft_tokens}, beside fixed K = "
            + ", ".join(m.label for m in modes if not m.adaptive)
-           + f" in the same run (a device each, the modes taking turns prompt by prompt), and {KEPT}: another "
-           "adaptive device whose controller first ran the set's prompts once, uncounted, as a device that has run "
-           "a while"
+           + " in the same run (a device each, the modes taking turns prompt by prompt)"
+           + (f", and {KEPT}: another adaptive device whose controller first ran the set's prompts once, uncounted, "
+              "as a device that has run a while" if args.kept else "")
            if args.adaptive else f"K = {args.draft_tokens}")
         + f"; {args.max_tokens} tokens "
         f"a prompt; {len(REPETITIVE)} repetitive prompts (repeat, tables, counting, code), {len(EDIT)} edit prompts "

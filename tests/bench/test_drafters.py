@@ -179,6 +179,9 @@ def test_an_adaptive_run_is_read_against_the_best_fixed_k_of_the_same_run():
         "- d, adaptive K kept (one uncounted pass first), pass by pass (each run over that fixed K's run of its "
         "pass): edit 1.00/1.25x (standard error 0.12)"]
     assert [m.label for m in measured_modes(8, True, None)] == ["adaptive", KEPT, "2", "4", "8"]
+    no_kept = build_parser().parse_args(["--adaptive", "--no-kept"])
+    assert not no_kept.kept and build_parser().parse_args(["--adaptive"]).kept
+    assert [m.label for m in measured_modes(8, True, None, no_kept.kept)] == ["adaptive", "2", "4", "8"]
     assert [(m.label, m.k, m.adaptive, m.kept) for m in measured_modes(4, False, None)] == [("4", 4, False, False)]
 
 
