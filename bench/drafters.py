@@ -6,8 +6,8 @@ device tokens/s. The server and the device's drafting thread each have cores of 
 One drafter instance serves a whole set, so Cacheback's tables warm up across the
 set's prompts, as on a device that keeps running. With --adaptive, every mode (the adaptive K and each fixed K) is
 a device of its own, and the modes take turns prompt by prompt, so the host's drift falls on all of them alike; one
-more adaptive device is kept: its controller first runs the set's prompts once, uncounted, as a device that has run a
-while (a fresh controller spends its first few hundred tokens trying each way of drafting).
+more adaptive device is kept (unless --no-kept): its controller first runs the set's prompts once, uncounted, as a
+device that has run a while (a fresh controller spends its first few hundred tokens trying each way of drafting).
 Every drafter and set runs --repeats times, interleaved (each repeat's order starting one drafter further on, after
 one uncounted generation that warms the server), and each row pools its runs. Writes its section of
 docs/benchmarks.md.
@@ -583,7 +583,7 @@ def main(args) -> int:
         compared = {name: m for name, m in compared.items() if name not in stacked_on}
         stacked_on = {}
     k = args.draft_tokens
-    # an adaptive run is measured beside the kept adaptive device and fixed K in the same run
+    # an adaptive run is measured beside the kept adaptive device (unless --no-kept) and fixed K in the same run
     modes = measured_modes(k, args.adaptive, args.fixed_k, args.kept)
     costs = {}
     for model in dict.fromkeys(stacked_on.values()):
