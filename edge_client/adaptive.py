@@ -7,8 +7,8 @@ device's drafting time per token, c what one more token of K costs the step it r
 cost times the sessions in the step, times the round trip's steps where the server queues the drafts). Drafting
 ahead changes how much of the drafting the round trip hides. A device keeps one controller across its requests.
 
-A device that has the server to itself also measures the model's way against fixed K finished each round, and plays
-what commits the most a second (DraftModes): the model leaves out costs that only the rounds' own time shows.
+A device that has the server to itself also measures the model's way against the model's best K finished each round,
+and plays what commits the most a second (DraftModes): the model leaves out costs that only the rounds' own time shows.
 
 Optionally (confidence_stop) a draft ends within K at a token the drafter is too unsure of, priced against what one
 committed token costs at this K (DraftStop). The model, its terms and the measurements behind them:
@@ -191,31 +191,30 @@ class PositionAcceptance:
         return total
 
 
-MODEL = 0  # DraftModes' mode in which K and answering at once are the model's (RoundCost)
+# DraftModes' two ways of drafting: K chosen each round by RoundCost with verdicts answered at once where it pays, and
+# the K that RoundCost rates fastest for a round drafted to its end before it goes out.
+MODEL = "model"
+FINISHED = "finished"
 
 
 class DraftModes:
-    """Which way of drafting the controller plays, chosen by what each one measures. The model's way (MODEL: K chosen
-    each round by RoundCost, verdicts answered at once where it pays) against K fixed and finished before each draft
-    goes out (K_max, then halving). The model prices a round by its parts; a round also costs what only its own time
-    shows (a shared machine's cores and memory slowing the drafting while the server steps, the device's Python), and
-    answering at once borrows the next round's drafting.
+    """Which way of drafting the controller plays, chosen by what each one measures: the model's way (MODEL) against
+    the model's best K finished before each draft goes out (FINISHED). The model prices a round by its parts; a round
+    also costs what only its own time shows (a shared machine's cores and memory slowing the drafting while the server
+    steps, the device's Python), and answering at once borrows the next round's drafting. Where the device drafts far
+    slower than the server verifies, answering at once is what keeps the server from waiting on it.
 
-    So modes are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in committed
-    tokens a second from verdict to verdict, after one trial that only warms up. Where the controller knows what each
-    round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens are counted so, not as
-    the text it met let them be accepted. The text moves a trial's rate more than the mode does (an easy prompt, then a
-    hard one), so each challenger is played between two trials of a reference (at first the fixed K the model rates
-    fastest, so that a tie keeps it; then the mode being played) and scored against their mean: both see the same
-    stretch of text. Text is not smooth, though: one hard stretch (a new prompt's opening, a passage the drafter misses)
-    can sink one reference trial and lift every challenger beside it. So the best challenger that scores above 1 +
-    SWITCH_MARGIN is played beside the reference once more, and takes over only where that second score is above it too;
-    where it is not, the next such challenger is played again, and where none is left the reference stays. A challenger
-    that scores above 1 + MOVE_MARGIN, more than one sunk trial moves a score, becomes the reference at once: the rest
-    are played beside it, and a slow reference is not played between every trial. The winner is played for a spell,
-    after which its neighbours (the model's way, K doubled and halved) are tried again. The spell doubles while the same
-    mode wins. A fixed K that scores above its reference has the fixed K beside it tried next (climb). The warm-up trial
-    is the model's way, played before the trials anyway."""
+    So the two are compared in trials (TRIAL_TOKENS committed tokens, TRIAL_ROUNDS rounds at least), measured in
+    committed tokens a second from verdict to verdict, after one trial that only warms up. Where the controller knows
+    what each round's draft commits on the recent text of every mode (PositionAcceptance), a trial's tokens are counted
+    so, not as the text it met let them be accepted. The text moves a trial's rate more than the mode does (an easy
+    prompt, then a hard one), so the challenger is played between two trials of the reference (at first FINISHED, so
+    that a tie keeps it; then the mode being played) and scored against their mean: both see the same stretch of text.
+    One hard stretch (a new prompt's opening, a passage the drafter misses) can sink one reference trial and lift the
+    challenger beside it, so a challenger that scores above 1 + SWITCH_MARGIN is played again between two fresh trials
+    of the reference and takes over only where that second score is above it too. The winner is played for a spell,
+    after which the other is tried again; the spell doubles while the same mode wins. The warm-up trial is the model's
+    way, played before the trials anyway."""
 
     TRIAL_TOKENS = 16
     TRIAL_ROUNDS = 3
@@ -223,50 +222,40 @@ class DraftModes:
     # A challenger's lead over its reference that counts: a trial's rate moves by far more than the modes differ, and
     # a wrong switch costs a whole spell.
     SWITCH_MARGIN = 0.05
-    # A challenger's lead that moves the reference to it: beyond what one hard stretch of text does to a trial.
-    MOVE_MARGIN = 0.15
 
-    def __init__(self, k_max: int, try_fixed: bool = True, worth: Callable[[int], bool] = lambda k: True,
-                 rate: Callable[[int], float | None] = lambda k: None):
-        self.k_max = k_max
-        self.worth = worth  # whether a fixed K is worth a trial (the model's rate for it is not far below its best)
-        self.model_rate = rate  # a fixed K's committed tokens a second in the model (None: no model yet)
-        self.fixed = []  # the fixed K tried: k_max, then halving, down to 2 (none: the model's way alone)
-        k = k_max if try_fixed else 0
-        while k >= 2:
-            self.fixed.append(k)
-            k //= 2
-        self.rate: dict[int, float] = {}  # each mode's committed tokens a second, as last measured
-        self.score: dict[int, float] = {}  # this set of trials' challengers, each over its reference's trials
-        self.best: int | None = None  # the mode played for a spell, None during trials
-        self.last_best: int | None = None  # the last winner
+    def __init__(self, try_finished: bool = True, rated: Callable[[], bool] = lambda: False):
+        self.try_finished = try_finished  # False: the model's way alone
+        self.rated = rated  # whether the controller has a model to choose the finished K by
+        self.rate: dict[str, float] = {}  # each mode's committed tokens a second, as last measured
+        self.score: dict[str, float] = {}  # this set of trials' challenger, over its reference's trials
+        self.best: str | None = None  # the mode played for a spell, None during trials
+        self.last_best: str | None = None  # the last winner
         self.spell = self.FIRST_SPELL
         self.tokens, self.seconds, self.rounds = 0, 0.0, 0  # the current trial's or spell's
         self.priced = 0.0  # its tokens as its drafts commit on average, where known (else as committed)
-        self.reference, self.challengers = MODEL, []  # a set of trials': what each challenger is scored against
-        self.waiting: int | None = None  # the challenger just measured, scored once the reference is again
-        self.confirming: int | None = None  # a challenger that won its trial, being played beside the reference again
-        self.unconfirmed: set[int] = set()  # challengers that won a trial and lost when played again
+        self.reference, self.challenger = MODEL, FINISHED  # a set of trials': the challenger is scored against it
+        self.waiting: str | None = None  # the challenger just measured, scored once the reference is again
+        self.confirming = False  # whether the challenger won its trial and is being played again
         self.before = 0.0  # the reference's last trial rate
         # the model's way until the first round is counted (a model of the device that times none plays it alone)
         self.mode, self.started = MODEL, False
         self.warming = True  # the first trial only warms up: a fresh drafter, session and text measure slow
         self.settling = False  # whether the next round is the first in a new mode (not counted)
 
-    def trials(self, reference: int, challengers: list[int]) -> None:
-        """Start a set of trials: the reference, then each challenger followed by the reference again."""
-        self.reference, self.challengers, self.score = reference, list(challengers), {}
-        self.waiting, self.confirming, self.before = None, None, 0.0
-        self.unconfirmed = set()
+    @staticmethod
+    def other(mode: str) -> str:
+        return FINISHED if mode == MODEL else MODEL
+
+    def trials(self, reference: str) -> None:
+        """Start a set of trials: the reference, then the other mode, then the reference again."""
+        self.reference, self.challenger, self.score = reference, self.other(reference), {}
+        self.waiting, self.confirming, self.before = None, False, 0.0
         self.mode, self.best = reference, None
-        if not challengers:  # nothing to try: the reference is played
-            self.best = self.last_best = reference
 
     def count(self, committed: int, cycle_s: float, expected: float | None = None) -> None:
         """A round played in the current mode: its tokens, its time and what its draft commits on average (None:
         not known). The first round after the mode changes is not counted: its draft was drafted ahead under the
-        mode before (a short K or the model's way then sends at once what a long K drafted ahead, a round faster
-        than its own)."""
+        mode before (the model's way then sends at once what a long K drafted ahead, a round faster than its own)."""
         if self.settling:
             self.settling = False
             return
@@ -275,11 +264,11 @@ class DraftModes:
         self.settling = self.mode != mode
 
     def _count(self, committed: int, cycle_s: float, expected: float) -> None:
-        if not self.fixed:  # the model's way alone
+        if not self.try_finished:  # the model's way alone
             return
-        if not self.started:  # the first measured round: the trials begin
+        if not self.started:  # the first measured round: the trials begin, the warm-up trial the model's way
             self.started = True
-            self.trials(MODEL, [k for k in self.fixed[:2] if self.worth(k)])  # the warm-up trial is the model's way
+            self.trials(MODEL)
             return
         self.tokens, self.seconds, self.rounds = self.tokens + committed, self.seconds + cycle_s, self.rounds + 1
         self.priced += expected
@@ -288,73 +277,31 @@ class DraftModes:
             return
         rate = self.priced / self.seconds if self.seconds > 0 else 0.0
         self.tokens, self.seconds, self.rounds, self.priced = 0, 0.0, 0, 0.0
-        if self.warming:  # the trials proper start with the reference
+        if self.warming:  # the trials proper start with the reference: the finished K, where the model rates one
             self.warming = False
-            self.start_from_model()
-            self.mode = self.reference
+            self.trials(FINISHED if self.rated() else MODEL)
             return
         self.rate[self.mode] = rate
-        if self.best is not None:  # the spell is over: the modes beside it are tried against it
-            self.trials(self.best, [m for m in self.neighbours(self.best) if m == MODEL or self.worth(m)])
+        if self.best is not None:  # the spell is over: the other mode is tried against it
+            self.trials(self.best)
             return
-        if self.mode != self.reference:  # a challenger: the reference again, to score it against both
+        if self.mode != self.reference:  # the challenger: the reference again, to score it against both
             self.waiting, self.mode = self.mode, self.reference
             return
         if self.waiting is not None:
             self.score[self.waiting] = self.rate[self.waiting] / max((self.before + rate) / 2, 1e-9)
-            self.climb(self.waiting)
-            if self.confirming is None and self.score[self.waiting] > 1 + self.MOVE_MARGIN:
-                # the rest are scored beside the new reference, from its trial just played
-                self.reference, self.score, rate = self.waiting, {}, self.rate[self.waiting]
             self.waiting = None
         self.before = rate
-        if self.challengers:
-            self.mode = self.challengers.pop(0)
+        won = self.score.get(self.challenger, 0.0) > 1 + self.SWITCH_MARGIN
+        if won and not self.confirming:  # played again beside a fresh reference trial: this one may have sunk
+            self.confirming, self.score = True, {}
             return
-        if self.confirming is not None and self.score[self.confirming] > 1 + self.SWITCH_MARGIN:
-            best = self.confirming  # won twice
-        else:  # the best first win not yet played again: its trial once more, then the reference again, rescore it
-            if self.confirming is not None:
-                self.unconfirmed.add(self.confirming)
-            wins = [m for m in self.score if self.score[m] > 1 + self.SWITCH_MARGIN and m not in self.unconfirmed]
-            if wins:
-                self.confirming = self.mode = max(wins, key=lambda m: self.score[m])
-                return
-            best = self.reference
+        if not self.score:
+            self.mode = self.challenger
+            return
+        best = self.challenger if won else self.reference  # won twice, or the reference stays
         self.spell = self.spell * 2 if best == self.last_best else self.FIRST_SPELL
         self.last_best = self.best = self.mode = best
-
-    def start_from_model(self) -> None:
-        """After the warm-up, the reference is the fixed K the model rates fastest, and the challengers the model's way
-        and the fixed K beside it: a lone device's rounds cost what the model leaves out, so answering at once is
-        played only where it measures faster, and a tie keeps the fixed K. Where the model rates none, the model's way
-        stays the reference against K_max and its half."""
-        rated = {k: r for k in self.fixed if self.worth(k) and (r := self.model_rate(k)) is not None}
-        if not rated:
-            return
-        best = max(rated, key=rated.get)
-        self.trials(best, [MODEL] + [k for k in self.beside(best) if self.worth(k)])
-
-    def climb(self, mode: int) -> None:
-        """After a fixed K scores above its reference, the fixed K beside it not yet tried (its half, then its double)
-        are tried next: K moves on in either direction while a step that way measures faster."""
-        if mode not in self.fixed or self.score[mode] <= 1.0:
-            return
-        for k in self.beside(mode):  # its double, then its half: each goes first
-            if k not in self.score and k != self.reference and k not in self.challengers and self.worth(k):
-                self.challengers.insert(0, k)
-
-    def neighbours(self, mode: int) -> list[int]:
-        """The modes tried again after a spell of `mode`: the model's, and the fixed K beside it (after the model's
-        spell, the fixed K that measured best)."""
-        if mode == MODEL:
-            return sorted((k for k in self.rate if k != MODEL), key=lambda k: -self.rate[k])[:1]
-        return [MODEL] + self.beside(mode)
-
-    def beside(self, k: int) -> list[int]:
-        """The fixed K next to `k` among those tried: its double, then its half, where there is one."""
-        i = self.fixed.index(k)
-        return self.fixed[max(i - 1, 0):i] + self.fixed[i + 1:i + 2]
 
 
 class AdaptiveDraftLength:
@@ -371,14 +318,11 @@ class AdaptiveDraftLength:
     HIDE_QUEUE = True  # the model counts the queue wait as hiding the drafting done after a verdict
 
     WINDOW = 16  # the recent rounds K is chosen from
-    TRY_FIXED = True  # whether fixed K are tried against the model's way (DraftModes)
+    TRY_FINISHED = True  # whether finished drafts are tried against the model's way (DraftModes)
     # A device whose recent steps held this many sessions on average shares the server: it plays the model's way, which
     # prices what its draft costs the others in the step (c x sessions); its own measured rate would not (a longer
     # draft can gain it tokens a second that the others lose, waiting for a longer step).
     SHARED_SESSIONS = 1.5
-    # A fixed K is tried only where the model's rate for it is at least this share of its best K's: the model misses
-    # a round's own costs, not a weak drafter's rejections (a trial of K_max would waste most of what it drafts).
-    WORTH_TRIAL = 0.75
 
     def __init__(self, k_max: int = 8, k_min: int = 1, k_initial: int = 4, ahead: bool = False,
                  max_age_s: float = 120.0, clock: Callable[[], float] = time.monotonic, confidence_stop: bool = False):
@@ -397,7 +341,7 @@ class AdaptiveDraftLength:
         self.alpha = 1.0  # the acceptance the thresholds were set at
         self.server_max: int | None = None  # the bound on K the last server opened with: a bound is news once
         self.cost: RoundCost | None = None  # the last choice's model of a round, None until two rounds are seen
-        self.modes = self.new_modes()  # the model's way or a fixed K, by what each measures
+        self.modes = self.new_modes()  # the model's way or finished drafts, by what each measures
         self.positions = PositionAcceptance()  # what a draft commits on the recent text, whichever mode drafted it
         self.model_k = self.k  # the model's last choice
         self.shared = False  # whether the server's recent steps held other sessions too (SHARED_SESSIONS)
@@ -422,7 +366,6 @@ class AdaptiveDraftLength:
             self.cost = None
             self.modes = self.new_modes()
             self.positions = PositionAcceptance()
-        self.bound_modes()
         self.model_k = min(max(self.model_k, self.k_min), k_max)
         self.k = self.played(self.model_k)
 
@@ -431,7 +374,6 @@ class AdaptiveDraftLength:
         self.server_max = server_max
         self.k_max = min(self.k_max, server_max)
         self.k_min = min(self.k_min, self.k_max)
-        self.bound_modes()
         self.model_k = min(self.model_k, self.k_max)
         self.k = self.played(self.model_k)
         return news
@@ -442,34 +384,19 @@ class AdaptiveDraftLength:
         self.k = self.played(self.model_k)
 
     def new_modes(self) -> DraftModes:
-        return DraftModes(self.k_max, self.TRY_FIXED, self.worth_trial, self.model_rate)
-
-    def bound_modes(self) -> None:
-        """Fresh trials where K's bound changed: the fixed K tried are K_max and its halves."""
-        if self.modes.k_max != self.k_max:
-            self.modes = self.new_modes()
-
-    def model_rate(self, k: int) -> float | None:
-        """A round of k drafted tokens' committed tokens a second in the model (None until it has one)."""
-        return None if self.cost is None else self.cost.tokens(k) / self.cost.seconds(k)
-
-    def worth_trial(self, k: int) -> bool:
-        """Whether a fixed K is worth a trial: its rate in the model is not far below the model's best K's."""
-        if self.cost is None:
-            return True
-        best = max(self.model_rate(j) for j in range(self.k_min, self.k_max + 1))
-        return self.model_rate(k) >= self.WORTH_TRIAL * best
+        return DraftModes(self.TRY_FINISHED, lambda: self.cost is not None)
 
     @property
     def model_played(self) -> bool:
-        """Whether the model's way is played now, not a fixed K (DraftModes; never while the server is shared)."""
+        """Whether the model's way is played now, not finished drafts (DraftModes; always while the server is
+        shared)."""
         return self.shared or self.modes.mode == MODEL
 
     @property
     def ahead_k(self) -> int:
         """The longest next draft that drafting ahead prepares: K_max in the model's way (it may answer with any K up
-        to it), the K played under a fixed K, which drafts no more than a fixed K's device would (drafting past it
-        is thrown away, and takes the machine from the server's step where the two share it)."""
+        to it), the K played where drafts are finished, which drafts no more than a fixed K's device would (drafting
+        past it is thrown away, and takes the machine from the server's step where the two share it)."""
         return self.k_max if self.model_played else self.k
 
     @property
@@ -480,20 +407,30 @@ class AdaptiveDraftLength:
             return self.k
         return self.best_k(replace(self.cost, ahead=False, hidden=0.0, late=0.0))
 
-    def best_k(self, cost: RoundCost) -> int:
-        """The K whose round commits the most a second in `cost`, within the bounds."""
-        return max(range(self.k_min, self.k_max + 1), key=lambda k: cost.tokens(k) / cost.seconds(k))
+    def finished_k(self) -> int:
+        """The K whose round, drafted to its end before it goes out, commits the most a second in the model: drafting
+        ahead then prepares no more than that K (its bonus guess and K past it). The model's K until it has a model."""
+        if self.cost is None:
+            return self.model_k
+        return self.best_k(self.cost, finished=True)
+
+    def best_k(self, cost: RoundCost, finished: bool = False) -> int:
+        """The K whose round commits the most a second in `cost`, within the bounds; `finished`: drafting ahead no
+        further than that K."""
+        def rate(k: int) -> float:
+            return cost.tokens(k) / (replace(cost, k_max=k) if finished else cost).seconds(k)
+        return max(range(self.k_min, self.k_max + 1), key=rate)
 
     def played(self, k: int) -> int:
-        """The K to draft: the model's `k`, or the fixed K played now, within the bounds."""
-        return k if self.model_played else min(max(self.modes.mode, self.k_min), self.k_max)
+        """The K to draft: the model's `k`, or where drafts are finished, the model's best K for them."""
+        return k if self.model_played else self.finished_k()
 
     def empty_after_miss(self, threshold: float) -> bool:
         return self.model_played and self.acceptance() >= threshold
 
     def answers_at_once(self, k: int, ready: int, busy: bool) -> bool:
         """Whether a verdict goes out at once with the `ready` tokens drafted rather than after drafting to k
-        (RoundCost.answer_now); at once until two rounds are seen; never while a fixed K is played."""
+        (RoundCost.answer_now); at once until two rounds are seen; never where drafts are finished."""
         return self.model_played and (self.cost is None or self.cost.answer_now(k, ready, busy))
 
     def observe(self, sample: RoundSample) -> None:
@@ -529,8 +466,8 @@ class AdaptiveDraftLength:
         return (self.hit[b] + self.PRIOR_WEIGHT * confidence) / (self.seen[b] + self.PRIOR_WEIGHT)
 
     def stop_rule(self) -> DraftStop | None:
-        """This round's rule for stopping a draft before K, or None (off, too little learned yet, or a fixed K
-        played)."""
+        """This round's rule for stopping a draft before K, or None (off, too little learned yet, or drafts
+        finished)."""
         if (not self.confidence_stop or not self.model_played or self.threshold <= 0
                 or sum(self.seen) < self.CALIBRATION_MIN):
             return None

@@ -112,7 +112,7 @@ def test_a_miss_answered_at_once_gets_an_empty_draft(monkeypatch):
     from edge_client.adaptive import AdaptiveDraftLength
 
     monkeypatch.setattr(AdaptiveDraftLength, "answers_at_once", lambda self, k, ready, busy: True)
-    monkeypatch.setattr(AdaptiveDraftLength, "TRY_FIXED", False)  # the model's way alone: no fixed K tried
+    monkeypatch.setattr(AdaptiveDraftLength, "TRY_FINISHED", False)  # the model's way alone: no finished drafts tried
     r = Regime(step_fixed_s=0.025, step_token_s=0.0, draft_s=0.010, match=0.9, max_wait_s=0.0, net_s=0.0)
     empty = simulate(r, 1, None, seconds=10.0, warmup_s=0.5, at_once=True)
     afresh = simulate(r, 1, None, seconds=10.0, warmup_s=0.5, at_once=True, empty_after_miss=None)
@@ -125,10 +125,10 @@ def test_a_hit_answered_at_once_goes_out_with_what_was_drafted_ahead(monkeypatch
     drafted ahead, the bonus guess and 1.5 past it. Answered at once, the drafts carry the whole tokens past the
     bonus (1, then 2 with the half token finished meanwhile: 1.5 on average), and every drafted token is committed,
     100 tokens/s, the drafter's own rate. Without answering at once the device finishes its token first. (The model's
-    way alone: no fixed K tried.)"""
+    way alone: no finished drafts tried.)"""
     from edge_client.adaptive import AdaptiveDraftLength
 
-    monkeypatch.setattr(AdaptiveDraftLength, "TRY_FIXED", False)
+    monkeypatch.setattr(AdaptiveDraftLength, "TRY_FINISHED", False)
     r = Regime(step_fixed_s=0.025, step_token_s=0.0, draft_s=0.010, match=1.0, max_wait_s=0.0, net_s=0.0)
     once = simulate(r, 1, None, seconds=5.0, warmup_s=0.5, at_once=True)
     finish = simulate(r, 1, None, seconds=5.0, warmup_s=0.5, at_once=False)

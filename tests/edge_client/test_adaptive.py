@@ -1,6 +1,6 @@
 import pytest
 
-from edge_client.adaptive import AdaptiveDraftLength, RoundCost, RoundSample
+from edge_client.adaptive import FINISHED, AdaptiveDraftLength, RoundCost, RoundSample
 from edge_client.policy import DraftPolicy
 
 
@@ -72,15 +72,15 @@ def test_drafting_ahead_prefers_a_draft_ready_within_one_round_trip():
 def test_a_generations_first_draft_is_priced_with_nothing_drafted_ahead():
     """The samples above, drafting ahead: rounds play K = 2, but a generation's first draft has no round trip before
     it to draft in, so its K is the one that commits the most a second when drafted whole first (3). Before two
-    rounds are seen, and while a fixed K is played, the first draft is the K played."""
+    rounds are seen, and while drafts are finished, the first draft is the K played."""
     ctrl = AdaptiveDraftLength(k_max=8, k_initial=4, ahead=True)
     assert ctrl.first_k == ctrl.k == 4
     for i in range(16):
         ctrl.observe(RoundSample(4, 4 if i % 3 else 2, 0.0, 0.025, 0.001, 0.009))
     assert (ctrl.k, ctrl.first_k) == (2, 3)
-    ctrl.modes.mode = 8
+    ctrl.modes.mode = FINISHED
     ctrl.k = ctrl.played(ctrl.model_k)
-    assert ctrl.first_k == ctrl.k == 8
+    assert ctrl.first_k == ctrl.k == ctrl.finished_k()
 
 
 def test_drafting_beside_the_step_and_alone_are_priced_each_at_its_own_pace():

@@ -437,12 +437,12 @@ def test_a_device_keeping_its_controller_is_told_of_a_servers_limit_once():
 
 
 def held_at_two():
-    """The adaptive controller held at K = 2 under a bound of 8 (the real one, its choice fixed and played: no fixed
-    K tried)."""
+    """The adaptive controller held at K = 2 under a bound of 8 (the real one, its choice fixed and played: no finished
+    drafts tried)."""
     from edge_client.adaptive import AdaptiveDraftLength
 
     class Held(AdaptiveDraftLength):
-        TRY_FIXED = False
+        TRY_FINISHED = False
 
         def choose(self):
             return 2
