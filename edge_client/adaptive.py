@@ -233,7 +233,7 @@ class DraftModes:
         self.spell = self.FIRST_SPELL
         self.tokens, self.seconds, self.rounds = 0, 0.0, 0  # the current trial's or spell's
         self.priced = 0.0  # its tokens as its drafts commit on average, where known (else as committed)
-        self.reference, self.challenger = MODEL, FINISHED  # a set of trials': the challenger is scored against it
+        self.reference = MODEL  # a set of trials': the other mode, the challenger, is scored against it
         self.waiting: str | None = None  # the challenger just measured, scored once the reference is again
         self.confirming = False  # whether the challenger won its trial and is being played again
         self.before = 0.0  # the reference's last trial rate
@@ -242,13 +242,13 @@ class DraftModes:
         self.warming = True  # the first trial only warms up: a fresh drafter, session and text measure slow
         self.settling = False  # whether the next round is the first in a new mode (not counted)
 
-    @staticmethod
-    def other(mode: str) -> str:
-        return FINISHED if mode == MODEL else MODEL
+    @property
+    def challenger(self) -> str:
+        return FINISHED if self.reference == MODEL else MODEL
 
     def trials(self, reference: str) -> None:
         """Start a set of trials: the reference, then the other mode, then the reference again."""
-        self.reference, self.challenger, self.score = reference, self.other(reference), {}
+        self.reference, self.score = reference, {}
         self.waiting, self.confirming, self.before = None, False, 0.0
         self.mode, self.best = reference, None
 
